@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TRITON_MLA_SPARSE: sparse (DSA top-k) MLA attention in pure Triton.
+
+Serves DeepSeek-V3.2-style sparse MLA models (GLM-5 / GLM-5.1 / GLM-5.2, model
+type ``glm_moe_dsa``) on every GPU Triton supports, SM120/SM121 (RTX PRO 6000,
+RTX 5090, DGX Spark) first. Nothing on its path is JIT-compiled CUDA: the
+attention kernel reads the paged KV cache natively in all three formats
+
+  =============  ============  ============================================
+  kv_cache_dtype  bytes/token   layout of one token
+  =============  ============  ============================================
+  auto/bfloat16  1152          576 x model dtype
+  fp8/fp8_e4m3   576           576 x e4m3 (value / k_scale, per layer)
+  fp8_ds_mla     656           512 x e4m3, 4 x fp32 scales, 64 x bf16 rope
+  =============  ============  ============================================
+
+(no cast of the pool, no gathered bf16 copy), and the cache writes are Triton
+kernels too. When this backend serves a model, its DSA indexer also runs on the
+Triton indexer kernels instead of DeepGEMM (see ``use_triton_dsa_indexer``).
+
+Prefill and decode both run the sparse top-k kernel, one query row per token:
+the impl has no dense-MHA prefill, so it sets ``supports_dense_mha_prefill =
+False`` and the MLA layer routes every token to ``forward_mqa``.
+
+Kernels: ``vllm/v1/attention/ops/triton_sparse_mla.py`` (attention) and
+``vllm/v1/attention/ops/triton_mla_kv_cache.py`` (cache writes).
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonImpl,
+    SparseMLACommonMetadataBuilder,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionType,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.mla.sparse_utils import (
+    triton_convert_req_index_to_global_index,
+    triton_filter_and_convert_dcp_index,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+logger = init_logger(__name__)
+
+BACKEND_NAME = "TRITON_MLA_SPARSE"
+
+# Latent (kv_lora_rank) and rope widths of DeepSeek-V3.2-style MLA; GLM-5 uses
+# the same 512 + 64 whatever its qk_nope_head_dim (192): the absorbed decode
+# only ever sees 576-wide keys and 512-wide values.
+MLA_LATENT_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_HEAD_SIZE = MLA_LATENT_DIM + MLA_ROPE_DIM
+FP8_DS_MLA_BYTES_PER_TOKEN = 656
+
+_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+
+
+def kv_format_of(kv_cache_dtype: str) -> str:
+    """Map vLLM's kv_cache_dtype string to the kernels' format name."""
+    if kv_cache_dtype == "fp8_ds_mla":
+        return "fp8_ds_mla"
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    if kv_cache_dtype in ("auto", "bfloat16", "float16"):
+        return "auto"
+    raise ValueError(
+        f"{BACKEND_NAME} does not support kv_cache_dtype={kv_cache_dtype!r}; "
+        "use auto/bfloat16, fp8/fp8_e4m3 or fp8_ds_mla."
+    )
+
+
+class TritonMLASparseBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
+        "auto",
+        "bfloat16",
+        "float16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_ds_mla",
+    ]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # The kernels address a token as base + slot * bytes_per_token, so any
+        # page size works; 64 is what the DSA indexer cache (same scheduler
+        # block) requires on CUDA.
+        return [64]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type["TritonMLASparseMetadataBuilder"]:
+        return TritonMLASparseMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type["TritonMLASparseImpl"]:
+        return TritonMLASparseImpl
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [MLA_HEAD_SIZE]
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # Ampere and newer; FP8 KV formats additionally need 8.9 (checked in
+        # supports_combination, which sees the kv_cache_dtype).
+        return capability >= DeviceCapability(8, 0)
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: CacheDType | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: DeviceCapability,
+    ) -> str | None:
+        if kv_cache_dtype in _FP8_KV_CACHE_DTYPES and device_capability < (
+            DeviceCapability(8, 9)
+        ):
+            return (
+                f"{BACKEND_NAME} needs compute capability 8.9+ for FP8 KV cache "
+                f"({kv_cache_dtype}); got {device_capability}"
+            )
+        from vllm.config import get_current_vllm_config
+
+        model_config = get_current_vllm_config().model_config
+        if model_config is not None:
+            hf_text_config = model_config.hf_text_config
+            if getattr(hf_text_config, "index_topk", None) is None:
+                return f"{BACKEND_NAME} requires a sparse (DSA) model with index_topk"
+            kv_lora_rank = getattr(hf_text_config, "kv_lora_rank", MLA_LATENT_DIM)
+            rope_dim = getattr(hf_text_config, "qk_rope_head_dim", MLA_ROPE_DIM)
+            if (kv_lora_rank, rope_dim) != (MLA_LATENT_DIM, MLA_ROPE_DIM):
+                return (
+                    f"{BACKEND_NAME} requires kv_lora_rank 512 and qk_rope_head_dim "
+                    f"64; got {kv_lora_rank} and {rope_dim}"
+                )
+        return None
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,  # always 1 for MLA
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        if cache_dtype_str == "fp8_ds_mla":
+            return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
+        return (num_blocks, block_size, head_size)
+
+
+@dataclass
+class TritonMLASparseMetadata(AttentionMetadata):
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    # Request index of every query token: turns the indexer's request-local
+    # top-k positions into physical cache slots.
+    req_id_per_token: torch.Tensor
+
+    seq_lens: torch.Tensor
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    prefill_max_seq_len: int = 0
+    prefill: MLACommonPrefillMetadata | None = None
+
+    block_size: int = 64
+    topk_tokens: int = 2048
+    cp_kv_cache_interleave_size: int = 1
+
+
+class TritonMLASparseMetadataBuilder(
+    SparseMLACommonMetadataBuilder[TritonMLASparseMetadata]
+):
+    metadata_cls = TritonMLASparseMetadata
+    # Uniform decode batches (plain decode and MTP verification) replay as CUDA
+    # graphs: the kernels take every size from tensor shapes, never from data.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(
+        self,
+        kv_cache_spec: "AttentionSpec",
+        layer_names: list[str],
+        vllm_config: "VllmConfig",
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Prefill and decode run the same kernel, so the decode/prefill split
+        # only decides which batches are graph-captured: requests with up to
+        # 1 + num_speculative_tokens new tokens count as decodes (MTP).
+        self._init_reorder_batch_threshold(
+            1, supports_spec_as_decode=True, supports_dcp_with_varlen=True
+        )
+
+
+class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
+    # Every token, prefill included, goes through the sparse top-k kernel.
+    supports_dense_mha_prefill = False
+    # The kernel returns the natural-log LSE that decode context parallelism
+    # merges across ranks.
+    can_return_lse_for_decode: bool = True
+    lse_base_on_e: bool = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        topk_indices_buffer: torch.Tensor | None = None,
+        indexer: object | None = None,
+        **mla_args,
+    ) -> None:
+        if any((alibi_slopes, sliding_window, logits_soft_cap)):
+            raise NotImplementedError(
+                f"{BACKEND_NAME} does not support alibi_slopes, sliding_window "
+                "or logits_soft_cap"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} supports decoder self-attention only, got {attn_type}"
+            )
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            indexer=indexer,
+            topk_indices_buffer=topk_indices_buffer,
+            **mla_args,
+        )
+        if self.kv_lora_rank != MLA_LATENT_DIM or self.qk_rope_head_dim != MLA_ROPE_DIM:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} supports kv_lora_rank 512 + qk_rope_head_dim 64, got "
+                f"{self.kv_lora_rank} + {self.qk_rope_head_dim}"
+            )
+        self.kv_format = kv_format_of(kv_cache_dtype)
+        # The kernel reads a bf16/fp16 query; it dequantizes the cache itself.
+        self.supports_quant_query_input = False
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        if kv_cache.numel() == 0:
+            return
+        from vllm.v1.attention.ops.triton_mla_kv_cache import mla_kv_cache_write
+
+        mla_kv_cache_write(
+            kv_c_normed,
+            k_pe.reshape(k_pe.shape[0], -1),
+            kv_cache,
+            slot_mapping.flatten(),
+            kv_format_of(kv_cache_dtype),
+            k_scale=k_scale,
+        )
+
+    def _physical_topk_indices(
+        self, topk_indices: torch.Tensor, attn_metadata: TritonMLASparseMetadata
+    ) -> torch.Tensor:
+        num_tokens = topk_indices.shape[0]
+        if self.dcp_world_size > 1:
+            indices, _ = triton_filter_and_convert_dcp_index(
+                attn_metadata.req_id_per_token[:num_tokens],
+                attn_metadata.block_table,
+                topk_indices,
+                dcp_size=self.dcp_world_size,
+                dcp_rank=self.dcp_rank,
+                cp_kv_cache_interleave_size=attn_metadata.cp_kv_cache_interleave_size,
+                BLOCK_SIZE=attn_metadata.block_size,
+                NUM_TOPK_TOKENS=topk_indices.shape[1],
+                return_valid_counts=True,
+            )
+            return indices
+        return triton_convert_req_index_to_global_index(
+            attn_metadata.req_id_per_token[:num_tokens],
+            attn_metadata.block_table,
+            topk_indices,
+            BLOCK_SIZE=attn_metadata.block_size,
+            NUM_TOPK_TOKENS=topk_indices.shape[1],
+        )
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: TritonMLASparseMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_decode
+
+        if isinstance(q, tuple):
+            # (W_UK-absorbed latent query [T, H, 512], rope query [T, H, 64]);
+            # T * H * 1152 bytes, small next to the KV the kernel streams.
+            q = torch.cat(q, dim=-1)
+        num_tokens = q.shape[0]
+        assert self.topk_indices_buffer is not None
+        topk_indices = self.topk_indices_buffer[:num_tokens]
+        indices = self._physical_topk_indices(topk_indices, attn_metadata)
+
+        out, lse = sparse_mla_decode(
+            q,
+            kv_c_and_k_pe_cache,
+            indices,
+            self.scale,
+            self.kv_format,
+            k_scale=layer._k_scale if self.kv_format == "fp8" else None,
+        )
+        return out, (lse if self.need_to_return_lse_for_decode else None)
+
+
+def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
+    """Whether the DSA indexer of this model runs on the Triton kernels.
+
+    True when the sparse MLA layers are served by TRITON_MLA_SPARSE (the whole
+    attention stack then stays free of JIT-built CUDA), or when DeepGEMM, the
+    only other CUDA indexer, is missing or does not support the device.
+    """
+    from vllm.platforms import current_platform
+    from vllm.utils.deep_gemm import has_deep_gemm
+
+    if not current_platform.is_cuda():
+        return False
+    if not (has_deep_gemm() and current_platform.support_deep_gemm()):
+        return True
+    return selected_sparse_mla_backend(vllm_config) == BACKEND_NAME
+
+
+def selected_sparse_mla_backend(vllm_config: "VllmConfig") -> str:
+    """Name of the backend vLLM's selector picks for this model's sparse MLA
+    layers (the selection is cached, so the MLA layers get the same answer)."""
+    from vllm.v1.attention.selector import get_attn_backend
+
+    model_config = vllm_config.model_config
+    num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+    backend = get_attn_backend(
+        MLA_HEAD_SIZE,
+        model_config.dtype,
+        vllm_config.cache_config.cache_dtype,
+        use_mla=True,
+        use_sparse=True,
+        num_heads=num_heads,
+    )
+    return backend.get_name()
