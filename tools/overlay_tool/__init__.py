@@ -1,0 +1,1 @@
+"""Implementation of tools/apply.py: pinned vLLM release -> patched, installed, verified vLLM."""

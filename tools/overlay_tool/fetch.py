@@ -1,0 +1,81 @@
+"""The release wheel cache: download with pip, verify sha256 on every use."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import FetchError
+from .pins import Pin
+from .project import sha256_file
+
+PIP_ARGS_ENV = "GLM5_OVERLAY_PIP_DOWNLOAD_ARGS"  # extra pip download arguments (e.g. a local --find-links)
+
+
+def sha256_with_progress(path: Path) -> str:
+    import hashlib
+
+    from tqdm import tqdm
+
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {path.name}", disable=None, leave=False) as bar:
+        while block := f.read(1 << 22):
+            h.update(block)
+            bar.update(len(block))
+    return h.hexdigest()
+
+
+def cached_wheel(pin: Pin, cache: Path) -> Path:
+    return cache / pin.wheel
+
+
+def verify_wheel(pin: Pin, path: Path) -> None:
+    digest = sha256_with_progress(path)
+    if digest != pin.sha256:
+        raise FetchError(
+            f"sha256 mismatch for {path}:\n  expected {pin.sha256} (pins.lock)\n  found    {digest}\n"
+            f"the file was not used or changed; delete it to download it again"
+        )
+
+
+def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
+    """Return the pinned release wheel from the cache, downloading it first if absent."""
+    path = cached_wheel(pin, cache)
+    if path.exists():
+        verify_wheel(pin, path)
+        log(f"wheel: {path} (sha256 verified)")
+        return path
+    if dry_run:
+        log(f"would download vllm=={pin.version} ({pin.wheel}) into {cache} and check sha256 {pin.sha256}")
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    try:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--platform", "manylinux_2_28_x86_64", "--progress-bar", "on", "--dest", str(tmp),
+            f"vllm=={pin.version}",
+        ] + shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+        log(f"downloading vllm=={pin.version} with pip ...")
+        r = subprocess.run(cmd)
+        if r.returncode != 0:
+            raise FetchError(f"pip download of vllm=={pin.version} failed (exit {r.returncode}); command: {shlex.join(cmd)}")
+        got = sorted(p.name for p in tmp.iterdir())
+        if got != [pin.wheel]:
+            raise FetchError(f"pip downloaded {got or 'nothing'}, expected exactly {pin.wheel} (pins.lock)")
+        digest = sha256_file(tmp / pin.wheel)
+        if digest != pin.sha256:
+            raise FetchError(
+                f"sha256 mismatch for the downloaded {pin.wheel}:\n  expected {pin.sha256} (pins.lock)\n"
+                f"  found    {digest}\nthe download was discarded; nothing was cached"
+            )
+        os.replace(tmp / pin.wheel, path)
+        log(f"wheel: {path} (downloaded, sha256 verified)")
+        return path
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
