@@ -1,0 +1,411 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA KV-cache writes (quantize + store latent and rope at a slot mapping) in Triton, with the
+PyTorch references and a dequantizing read used by the tests and references.
+
+``mla_kv_cache_write`` mirrors vLLM's ``ops.concat_and_cache_mla(kv_c, k_pe, kv_cache,
+slot_mapping, kv_cache_dtype, scale)`` and writes byte for byte what vLLM's CUDA writer writes
+(read from the SASS of ``_C_stable_libtorch.abi3.so`` in the 0.26.0 and 0.33.0 release wheels,
+kernels ``concat_and_cache_mla_kernel`` and ``concat_and_cache_ds_mla_kernel``):
+
+``fp8_ds_mla`` (656 B/token), per 128-value latent group ``g`` of one token:
+    ``amax = max |x|`` (x = kv_c in fp32), ``s = amax / 448`` (IEEE division), then
+    * ``ds_scale_format="arbitrary_fp32"`` (vLLM 0.26.0): ``s = max(s, FLT_MIN)``;
+    * ``ds_scale_format="pow2_fp32"`` (vLLM 0.33.0, upstream PR #49435):
+      ``s = 2 ** ceil(log2(max(s, 1e-4)))`` (computed exactly from the fp32 bits; equal to
+      upstream's ``exp2f(ceilf(log2f(.)))`` for every bf16/fp16 input);
+    bytes ``[128 g, 128 g + 128)`` = ``e4m3_satfinite_rn(x / s)`` (IEEE division),
+    bytes ``[512 + 4 g, 516 + 4 g)`` = ``s`` as fp32;
+    bytes ``[528, 656)`` = the 64 rope values, the input's 16-bit words copied verbatim (bf16 for
+    GLM-5/DeepSeek; fp16 models store fp16 there, exactly like vLLM's writer).
+``fp8`` / ``fp8_e4m3`` (576 B/token): every one of the 576 values ``e4m3_satfinite_rn(x / k_scale)``.
+``auto`` / ``bfloat16`` / ``float16`` (576 elements/token): a plain copy (cache dtype == input dtype).
+
+A negative slot is skipped (padding). A slot ``>= num_blocks * block_size`` is out of range: the
+kernel does not write it (vLLM's writer would write out of bounds); ``validate=True`` raises.
+
+This file imports only torch, triton and the standard library.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "mla_kv_cache_write",
+    "mla_kv_cache_write_reference",
+    "dequantize_mla_kv_cache",
+    "SM120_COMPILE_SPECS",
+]
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+HEAD_DIM = 576
+DS_GROUP = 128
+DS_ROW_BYTES = 656
+FP8_MAX = 448.0
+FLT_MIN = 1.1754943508222875e-38
+
+_FMT_DS_MLA = 0
+_FMT_FP8 = 1
+_FMT_16BIT = 2
+_FORMATS = {
+    "fp8_ds_mla": _FMT_DS_MLA,
+    "fp8": _FMT_FP8,
+    "fp8_e4m3": _FMT_FP8,
+    "auto": _FMT_16BIT,
+    "bfloat16": _FMT_16BIT,
+    "bf16": _FMT_16BIT,
+    "float16": _FMT_16BIT,
+    "half": _FMT_16BIT,
+}
+DS_SCALE_FORMATS = ("arbitrary_fp32", "pow2_fp32")
+
+
+def _format_code(kv_format: str) -> int:
+    if kv_format not in _FORMATS:
+        raise ValueError(f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMATS)}")
+    return _FORMATS[kv_format]
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """2 ** ceil(log2(s)) for positive normal fp32 s, exactly, from the bits."""
+    bits = s.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + tl.where((bits & 0x7FFFFF) != 0, 1, 0)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3_bytes(y):
+    """fp32 -> e4m3 byte, round to nearest even, saturating to +-448 (NaN -> 0x7F), like CUDA's
+    ``__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3)``. Done with integer ops rather than
+    Triton's cast so that the interpreter (whose fp32->fp8 cast drops the carry of a mantissa
+    round-up, e.g. 31.45 -> 16) computes the same bytes as the GPU; the cost is a few integer
+    ops per element in a memory-bound kernel."""
+    is_nan = y != y
+    a = tl.minimum(tl.abs(y), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range (a >= 2^-6): round the fp32 mantissa to 3 bits, ties to even; carries propagate
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal range (a < 2^-6): multiples of 2^-9, ties to even (add/sub 2^23 rounds the integer)
+    k = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    mag = tl.where(a < 0.015625, k, normal)
+    sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    out = tl.where(is_nan, 0x7F, mag | sign)
+    return out.to(tl.uint8)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_slots", "block_size"])
+def _mla_kv_cache_write_kernel(
+    kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, kscale_ptr,
+    k_scale_f, num_tokens, num_slots, block_size,
+    stride_ct, stride_cd, stride_pt, stride_pd, stride_kb, stride_ks,
+    KV_FORMAT: tl.constexpr,
+    KSCALE_FROM_PTR: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    GROUP: tl.constexpr = 128
+    ROPE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < num_tokens
+    slot = tl.load(slot_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0)
+    blk = slot // block_size
+    row = blk * stride_kb + (slot - blk * block_size) * stride_ks  # [BLOCK_T] int64
+    src_c = kvc_ptr + offs_t.to(tl.int64)[:, None] * stride_ct
+    src_p = kpe_ptr + offs_t.to(tl.int64)[:, None] * stride_pt
+    offs_g = tl.arange(0, GROUP)
+    offs_r = tl.arange(0, ROPE)
+
+    if KV_FORMAT == 1:
+        if KSCALE_FROM_PTR:
+            ks = tl.load(kscale_ptr)
+        else:
+            ks = k_scale_f
+
+    for g in tl.static_range(4):
+        cols = g * GROUP + offs_g
+        x = tl.load(src_c + cols[None, :] * stride_cd, mask=ok[:, None], other=0.0)
+        dst = cache_ptr + row[:, None] + cols[None, :]
+        if KV_FORMAT == 2:
+            tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
+        else:
+            xf = x.to(tl.float32)
+            if KV_FORMAT == 0:
+                amax = tl.max(tl.abs(xf), axis=1)
+                s = tl.math.div_rn(amax, tl.full([BLOCK_T], 448.0, tl.float32))
+                if POW2_SCALE:
+                    s = _pow2_ceil(tl.maximum(s, 1.0e-4))
+                else:
+                    s = tl.maximum(s, 1.1754943508222875e-38)
+                y = tl.math.div_rn(xf, tl.broadcast_to(s[:, None], [BLOCK_T, GROUP]))
+                sp = (cache_ptr + row + (512 + 4 * g)).to(tl.pointer_type(tl.float32))
+                tl.store(sp, s, mask=ok)
+            else:
+                y = tl.math.div_rn(xf, tl.full([BLOCK_T, GROUP], 1.0, tl.float32) * ks)
+            tl.store(dst, _to_e4m3_bytes(y), mask=ok[:, None])
+
+    pe = tl.load(src_p + offs_r[None, :] * stride_pd, mask=ok[:, None], other=0.0)
+    if KV_FORMAT == 0:
+        rp = (cache_ptr + row + 528).to(tl.pointer_type(kpe_ptr.dtype.element_ty))
+        tl.store(rp[:, None] + offs_r[None, :], pe, mask=ok[:, None])
+    elif KV_FORMAT == 1:
+        y = tl.math.div_rn(pe.to(tl.float32), tl.full([BLOCK_T, ROPE], 1.0, tl.float32) * ks)
+        tl.store(cache_ptr + row[:, None] + (512 + offs_r)[None, :], _to_e4m3_bytes(y), mask=ok[:, None])
+    else:
+        tl.store(cache_ptr + row[:, None] + (512 + offs_r)[None, :], pe.to(cache_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cache(kv_cache: torch.Tensor, code: int, model_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    if code == _FMT_16BIT:
+        want = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                "half": torch.float16}.get(kv_format, model_dtype)
+        if kv_cache.dtype != want:
+            raise ValueError(f"kv_format {kv_format!r} needs a {want} cache, got {kv_cache.dtype}")
+        width = HEAD_DIM
+    else:
+        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"kv_format {kv_format!r} needs a uint8/float8_e4m3fn cache, got {kv_cache.dtype}")
+        kv_cache = kv_cache.view(torch.uint8)
+        width = DS_ROW_BYTES if code == _FMT_DS_MLA else HEAD_DIM
+    if kv_cache.shape[2] != width:
+        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
+    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
+        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
+    return kv_cache
+
+
+def _check_inputs(kv_c, k_pe, slot_mapping):
+    if kv_c.dim() != 2 or kv_c.shape[1] != LATENT_DIM:
+        raise ValueError(f"kv_c must be [N, {LATENT_DIM}], got {tuple(kv_c.shape)}")
+    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe.squeeze(1)
+    if k_pe.dim() != 2 or k_pe.shape != (kv_c.shape[0], ROPE_DIM):
+        raise ValueError(f"k_pe must be [N, {ROPE_DIM}], got {tuple(k_pe.shape)}")
+    if kv_c.dtype not in (torch.bfloat16, torch.float16) or k_pe.dtype != kv_c.dtype:
+        raise ValueError(f"kv_c and k_pe must both be bf16 or fp16, got {kv_c.dtype} and {k_pe.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < kv_c.shape[0]:
+        raise ValueError(f"slot_mapping must be [N>={kv_c.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
+    if slot_mapping.stride(0) != 1:
+        raise ValueError("slot_mapping must be contiguous")
+    return k_pe
+
+
+def mla_kv_cache_write(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    *,
+    ds_scale_format: str = "arbitrary_fp32",
+    validate: bool = False,
+) -> None:
+    """Quantize and store one latent + rope row per token into ``kv_cache`` (in place).
+
+    Same argument order and meaning as vLLM's ``ops.concat_and_cache_mla``.
+
+    Args:
+        kv_c: ``[N, 512]`` bf16/fp16 latent (any strides).
+        k_pe: ``[N, 64]`` (or ``[N, 1, 64]``) rope part, same dtype (any strides).
+        kv_cache: ``[num_blocks, block_size, W]`` cache in the layout of ``kv_format`` (see the
+            module docstring); 1-byte formats may come as uint8 or float8_e4m3fn.
+        slot_mapping: ``[>= N]`` int64 slots ``block * block_size + offset``; negative = skip.
+        kv_format: vLLM ``kv_cache_dtype`` name (``fp8_ds_mla``, ``fp8``, ``fp8_e4m3``, ``auto``,
+            ``bfloat16``, ``float16``).
+        k_scale: ``fp8`` only: the per-tensor scale (fp32 tensor of one element, read on the
+            device, or a float); values are stored as ``x / k_scale``. Default 1.0.
+        ds_scale_format: ``fp8_ds_mla`` only: ``"arbitrary_fp32"`` (vLLM 0.26.0's writer) or
+            ``"pow2_fp32"`` (vLLM 0.33.0's writer); see the module docstring.
+        validate: debug only (host sync): raise on slots >= num_blocks * block_size.
+    """
+    code = _format_code(kv_format)
+    k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
+    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    if ds_scale_format not in DS_SCALE_FORMATS:
+        raise ValueError(f"ds_scale_format must be one of {DS_SCALE_FORMATS}, got {ds_scale_format!r}")
+    n = kv_c.shape[0]
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    num_slots = num_blocks * block_size
+    for name, tns in (("k_pe", k_pe), ("kv_cache", cache), ("slot_mapping", slot_mapping)):
+        if tns.device != kv_c.device:
+            raise ValueError(f"{name} is on {tns.device}, kv_c on {kv_c.device}")
+    if validate and n > 0 and bool((slot_mapping[:n] >= num_slots).any().item()):
+        raise ValueError(f"slot_mapping has slots >= num_blocks * block_size = {num_slots}")
+    kscale_from_ptr = False
+    k_scale_f = 1.0
+    kscale_arg = slot_mapping
+    if code == _FMT_FP8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != kv_c.device:
+                raise ValueError("k_scale tensor must hold one float32 on kv_c's device")
+            kscale_from_ptr = True
+            kscale_arg = k_scale
+        elif k_scale is not None:
+            k_scale_f = float(k_scale)
+    if n == 0:
+        return
+    block_t = 4
+    _mla_kv_cache_write_kernel[(triton.cdiv(n, block_t),)](
+        kv_c, k_pe, cache, slot_mapping, kscale_arg,
+        k_scale_f, n, num_slots, block_size,
+        kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
+        cache.stride(0), cache.stride(1),
+        KV_FORMAT=code,
+        KSCALE_FROM_PTR=kscale_from_ptr,
+        POW2_SCALE=ds_scale_format == "pow2_fp32",
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------
+
+
+def _e4m3_bytes_reference(y: torch.Tensor) -> torch.Tensor:
+    # torch's float8 cast rounds to nearest even but turns |y| > 448 into NaN: saturate first.
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _pow2_ceil_reference(s: torch.Tensor) -> torch.Tensor:
+    bits = s.contiguous().view(torch.int32)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (e << 23).view(torch.float32)
+
+
+def mla_kv_cache_write_reference(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    *,
+    ds_scale_format: str = "arbitrary_fp32",
+) -> None:
+    """PyTorch reference of :func:`mla_kv_cache_write` (same arguments, same in-place bytes)."""
+    code = _format_code(kv_format)
+    k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
+    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    nb, bs, w = cache.shape
+    n = kv_c.shape[0]
+    slots = slot_mapping[:n].to(torch.int64)
+    keep = (slots >= 0) & (slots < nb * bs)
+    slots = slots[keep]
+    x = kv_c[keep].to(torch.float32)
+    pe = k_pe[keep]
+    blk, off = slots // bs, slots % bs
+    if code == _FMT_16BIT:
+        cache[blk, off] = torch.cat([x.to(cache.dtype), pe.to(cache.dtype)], dim=-1)
+        return
+    if code == _FMT_FP8:
+        ks = 1.0 if k_scale is None else k_scale
+        ks = ks.to(torch.float32).reshape(()) if isinstance(ks, torch.Tensor) else torch.tensor(float(ks), dtype=torch.float32)
+        ks = ks.to(x.device)
+        row = torch.cat([x, pe.to(torch.float32)], dim=-1) / ks
+        cache[blk, off] = _e4m3_bytes_reference(row)
+        return
+    xg = x.reshape(-1, 4, DS_GROUP)
+    amax = xg.abs().amax(dim=-1)
+    # IEEE fp32 division like the CUDA writer; a tensor divisor, because torch turns division by a
+    # Python scalar on the GPU into a multiplication by its reciprocal (not always the same float).
+    s = amax / torch.full_like(amax, FP8_MAX)
+    if ds_scale_format == "pow2_fp32":
+        s = _pow2_ceil_reference(s.clamp_min(torch.tensor(1.0e-4, dtype=torch.float32).item()))
+    else:
+        s = s.clamp_min(FLT_MIN)
+    q = _e4m3_bytes_reference(xg / s[..., None]).reshape(-1, LATENT_DIM)
+    row = torch.cat([q, s.contiguous().view(torch.uint8).reshape(-1, 16),
+                     pe.contiguous().view(torch.uint8).reshape(-1, 2 * ROPE_DIM)], dim=-1)
+    cache[blk, off] = row
+
+
+def dequantize_mla_kv_cache(
+    kv_cache: torch.Tensor,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    rope_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize a whole MLA cache to float32 ``[num_blocks, block_size, 576]`` (exact values).
+
+    ``rope_dtype``: the 16-bit type of the ``fp8_ds_mla`` rope words (the model dtype) and the
+    dtype of an ``auto`` cache.
+    """
+    code = _format_code(kv_format)
+    cache = _check_cache(kv_cache, code, rope_dtype, kv_format)
+    if code == _FMT_16BIT:
+        return cache.to(torch.float32)
+    if code == _FMT_FP8:
+        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
+        return cache.contiguous().view(torch.float8_e4m3fn).to(torch.float32) * ks
+    c = cache.contiguous()
+    lat = c[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float32)
+    sc = c[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32)
+    lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
+    rope = c[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float32)
+    return torch.cat([lat, rope], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# SM120 compile specs
+# --------------------------------------------------------------------------------------------
+
+
+def SM120_COMPILE_SPECS() -> list[dict]:
+    """Every configuration of the cache-write kernel the dispatch can choose (tools/sm120_check.py)."""
+    specs = []
+    for in_t, in_name in (("*bf16", "bf16"), ("*fp16", "fp16")):
+        for code, fmt in ((_FMT_DS_MLA, "fp8_ds_mla"), (_FMT_FP8, "fp8"), (_FMT_16BIT, "auto")):
+            variants = [(False, False), (False, True)] if code == _FMT_DS_MLA else (
+                [(True, False), (False, False)] if code == _FMT_FP8 else [(False, False)])
+            for kptr, pow2 in variants:
+                specs.append({
+                    "name": f"mla_kv_cache_write[{fmt},{in_name},kscale_ptr={int(kptr)},pow2={int(pow2)}]",
+                    "fn": _mla_kv_cache_write_kernel,
+                    "signature": {
+                        "kvc_ptr": in_t, "kpe_ptr": in_t, "cache_ptr": in_t if code == _FMT_16BIT else "*u8",
+                        "slot_ptr": "*i64", "kscale_ptr": "*fp32", "k_scale_f": "fp32",
+                        "num_tokens": "i32", "num_slots": "i32", "block_size": "i32",
+                        "stride_ct": "i32", "stride_cd": "constexpr", "stride_pt": "i32", "stride_pd": "constexpr",
+                        "stride_kb": "i32", "stride_ks": "i32",
+                        "KV_FORMAT": "constexpr", "KSCALE_FROM_PTR": "constexpr", "POW2_SCALE": "constexpr",
+                        "BLOCK_T": "constexpr",
+                    },
+                    "constexprs": {"stride_cd": 1, "stride_pd": 1, "KV_FORMAT": code, "KSCALE_FROM_PTR": kptr,
+                                   "POW2_SCALE": pow2, "BLOCK_T": 4},
+                    "divisible_by_16": ["kvc_ptr", "kpe_ptr", "cache_ptr", "slot_ptr", "kscale_ptr",
+                                        "stride_ct", "stride_pt", "stride_kb", "stride_ks"],
+                    "num_warps": 4,
+                    "num_stages": 1,
+                })
+    return specs

@@ -1,0 +1,777 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA decode (and one-row-per-token prefill) over a paged FP8/BF16 MLA KV cache, in Triton.
+
+Each query row ``t`` (a decode token, an MTP token or a prefill token) attends to the ``topk`` cache
+slots its DSA indexer selected::
+
+    s[t, h, j]  = softmax_scale * q[t, h, :576] . K[indices[t, j], :576]      (j with a valid index)
+    out[t, h]   = sum_j softmax_j(s[t, h, :]) * K[indices[t, j], :512]       (V = first 512 of K)
+    lse[t, h]   = log(sum_j exp(s[t, h, j]))                                 (natural log)
+
+The KV cache is read in place, in its stored format, one token row per selected index; nothing is
+cast or gathered into a temporary copy. Supported formats (vLLM's ``kv_cache_dtype``):
+
+=================  =====  ================================================================
+format             bytes  one token row
+=================  =====  ================================================================
+``fp8_ds_mla``     656    512 x e4m3 latent, 4 x fp32 scales (one per 128 latent values),
+                          64 x 16-bit rope (the model dtype: bf16 for GLM-5 / DeepSeek)
+``fp8``            576    576 x e4m3 = value / k_scale (one fp32 k_scale per layer)
+``fp8_e4m3``              same as ``fp8``
+``auto``           1152   576 x model dtype (bf16 or fp16; must equal q's dtype)
+``bfloat16``              same as ``auto`` with bf16
+``float16``               same as ``auto`` with fp16
+=================  =====  ================================================================
+
+Conventions (shared with ``docs/CONVENTIONS.md``):
+
+* ``indices`` hold physical slots ``block * block_size + offset``. A negative index means "no
+  token" (vLLM pads with -1). An index ``>= num_blocks * block_size`` is out of range: the kernel
+  never dereferences it and treats it like -1 (it contributes nothing); ``validate=True`` (a debug
+  check with a host sync, not for CUDA graphs) raises on it instead. FlashMLA only treats -1 as
+  invalid and reads any other index unchecked.
+* Duplicate indices count as many times as they appear (exactly like FlashMLA's sparse decode and
+  the float64 reference: every index position is one softmax term).
+* ``lse`` is the natural-log LSE that vLLM's ``merge_attn_states`` consumes. A row with no valid
+  index gets ``out = 0`` and ``lse = -inf`` (never NaN). (FlashMLA's sparse decode writes
+  ``lse = +inf`` for such rows in its non-split path.)
+* Scales: for ``fp8`` the per-tensor ``k_scale`` is folded into the softmax scale (QK^T) and into
+  the output (PV), so the e4m3 values enter the MMA unscaled (exactly representable in bf16/fp16).
+  For ``fp8_ds_mla`` each 128-wide latent group is dequantized in registers (e4m3 -> fp32 x its fp32
+  scale -> q's dtype) once per KV tile, and that one register tile feeds both QK^T and PV.
+
+Work split: one program handles one query row, ``BLOCK_H`` heads (padded to the MMA minimum of 16)
+and a contiguous range of the ``topk`` slots; when the grid ``T * ceil(H / BLOCK_H)`` would
+underfill the GPU the slots are split across ``num_splits`` programs and a second small kernel
+merges the partial results by their LSE. ``num_splits`` and every tile size are picked from shapes
+and the device only, so the call is CUDA-graph capturable (no host sync, no data-dependent
+allocation).
+
+This file imports only torch, triton and the standard library: it runs standalone (tests,
+benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_sparse_mla.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "sparse_mla_decode",
+    "sparse_mla_decode_reference",
+    "kv_format_info",
+    "SM120_COMPILE_SPECS",
+]
+
+LATENT_DIM = 512  # kv_lora_rank: V width and the quantized part of K
+ROPE_DIM = 64  # qk_rope_head_dim
+HEAD_DIM = LATENT_DIM + ROPE_DIM  # 576: K width (absorbed q width)
+DS_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
+DS_ROW_BYTES = LATENT_DIM + 4 * 4 + ROPE_DIM * 2  # 656
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# Kernel-side format codes (constexpr KV_FORMAT).
+_FMT_DS_MLA = 0
+_FMT_FP8 = 1
+_FMT_16BIT = 2
+
+_FORMAT_ALIASES = {
+    "fp8_ds_mla": _FMT_DS_MLA,
+    "fp8": _FMT_FP8,
+    "fp8_e4m3": _FMT_FP8,
+    "auto": _FMT_16BIT,
+    "bfloat16": _FMT_16BIT,
+    "bf16": _FMT_16BIT,
+    "float16": _FMT_16BIT,
+    "half": _FMT_16BIT,
+}
+
+
+def kv_format_info(kv_format: str, model_dtype: torch.dtype | None = None) -> tuple[int, int, torch.dtype]:
+    """Return ``(format_code, row_width, storage_dtype)`` of an MLA KV-cache format name.
+
+    ``row_width`` is in elements of ``storage_dtype`` (uint8 for the fp8 formats). ``model_dtype``
+    resolves ``auto``. Raises ``ValueError`` on an unknown name.
+    """
+    if kv_format not in _FORMAT_ALIASES:
+        raise ValueError(
+            f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMAT_ALIASES)}"
+        )
+    code = _FORMAT_ALIASES[kv_format]
+    if code == _FMT_DS_MLA:
+        return code, DS_ROW_BYTES, torch.uint8
+    if code == _FMT_FP8:
+        return code, HEAD_DIM, torch.uint8
+    if kv_format in ("bfloat16", "bf16"):
+        dt = torch.bfloat16
+    elif kv_format in ("float16", "half"):
+        dt = torch.float16
+    else:
+        if model_dtype is None:
+            raise ValueError("kv_format 'auto' needs the model dtype (q's dtype)")
+        dt = model_dtype
+    return code, HEAD_DIM, dt
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_rows(idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+               BLOCK_N: tl.constexpr):
+    """Slots of one top-k tile -> (valid mask, int64 row offsets into the cache)."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < lim, other=-1)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // block_size
+    row = blk.to(tl.int64) * stride_kb + (slot - blk * block_size).to(tl.int64) * stride_ks
+    return valid, row
+
+
+@triton.jit
+def _load_tile(kv_ptr, row, valid, KV_FORMAT: tl.constexpr, DT: tl.constexpr):
+    """Issue every global load of one KV tile (raw bytes / values; no conversion yet).
+
+    Returns the four 128-wide latent groups, the rope part and (fp8_ds_mla) the four group scales."""
+    cg = tl.arange(0, 128)
+    cr = tl.arange(0, 64)
+    vm = valid[:, None]
+    if KV_FORMAT == 2:
+        base = kv_ptr + row[:, None]
+        r0 = tl.load(base + cg[None, :], mask=vm, other=0.0)
+        r1 = tl.load(base + (128 + cg)[None, :], mask=vm, other=0.0)
+        r2 = tl.load(base + (256 + cg)[None, :], mask=vm, other=0.0)
+        r3 = tl.load(base + (384 + cg)[None, :], mask=vm, other=0.0)
+        rr = tl.load(base + (512 + cr)[None, :], mask=vm, other=0.0)
+    else:
+        base = kv_ptr + row[:, None]
+        r0 = tl.load(base + cg[None, :], mask=vm, other=0)
+        r1 = tl.load(base + (128 + cg)[None, :], mask=vm, other=0)
+        r2 = tl.load(base + (256 + cg)[None, :], mask=vm, other=0)
+        r3 = tl.load(base + (384 + cg)[None, :], mask=vm, other=0)
+        if KV_FORMAT == 0:
+            rp = (kv_ptr + row + 528).to(tl.pointer_type(DT))
+            rr = tl.load(rp[:, None] + cr[None, :], mask=vm, other=0.0)
+        else:
+            rr = tl.load(base + (512 + cr)[None, :], mask=vm, other=0)
+    if KV_FORMAT == 0:
+        sp = (kv_ptr + row + 512).to(tl.pointer_type(tl.float32))
+        c0 = tl.load(sp, mask=valid, other=0.0)
+        c1 = tl.load(sp + 1, mask=valid, other=0.0)
+        c2 = tl.load(sp + 2, mask=valid, other=0.0)
+        c3 = tl.load(sp + 3, mask=valid, other=0.0)
+    else:
+        c0 = tl.zeros([row.shape[0]], dtype=tl.float32)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+    return r0, r1, r2, r3, rr, c0, c1, c2, c3
+
+
+@triton.jit
+def _dequant(r, c, KV_FORMAT: tl.constexpr, DS_FOLD: tl.constexpr, DT: tl.constexpr):
+    """One latent group to the MMA dtype: fp8_ds_mla times its per-row scale (unless folded),
+    fp8 unscaled (k_scale folded outside), 16-bit as is."""
+    if KV_FORMAT == 2:
+        k = r.to(DT)
+    elif KV_FORMAT == 0:
+        if DS_FOLD:
+            k = r.to(tl.float8e4nv, bitcast=True).to(DT)
+        else:
+            k = (r.to(tl.float8e4nv, bitcast=True).to(tl.float32) * c[:, None]).to(DT)
+    else:
+        k = r.to(tl.float8e4nv, bitcast=True).to(DT)
+    return k
+
+
+@triton.jit
+def _attend_tile(q0, q1, q2, q3, qr, r0, r1, r2, r3, rr, c0, c1, c2, c3, valid, qk_scale,
+                 m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT: tl.constexpr, DS_FOLD: tl.constexpr,
+                 DT: tl.constexpr):
+    """Online-softmax update of one KV tile: S = Q K^T (five MMAs), P = exp2(S - m), O += P V."""
+    k0 = _dequant(r0, c0, KV_FORMAT, DS_FOLD, DT)
+    k1 = _dequant(r1, c1, KV_FORMAT, DS_FOLD, DT)
+    k2 = _dequant(r2, c2, KV_FORMAT, DS_FOLD, DT)
+    k3 = _dequant(r3, c3, KV_FORMAT, DS_FOLD, DT)
+    if KV_FORMAT == 1:
+        kr = rr.to(tl.float8e4nv, bitcast=True).to(DT)
+    else:
+        kr = rr.to(DT)
+    if DS_FOLD and KV_FORMAT == 0:
+        # scales folded: the MMAs see exact e4m3 values; the per-token group scales multiply the
+        # four partial QK^T products and the P used against each group.
+        s = tl.dot(qr, tl.trans(kr))
+        s += tl.dot(q0, tl.trans(k0)) * c0[None, :]
+        s += tl.dot(q1, tl.trans(k1)) * c1[None, :]
+        s += tl.dot(q2, tl.trans(k2)) * c2[None, :]
+        s += tl.dot(q3, tl.trans(k3)) * c3[None, :]
+    else:
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.dot(qr, tl.trans(kr), s)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DS_FOLD and KV_FORMAT == 0:
+        acc0 = tl.dot((p * c0[None, :]).to(DT), k0, acc0 * alpha[:, None])
+        acc1 = tl.dot((p * c1[None, :]).to(DT), k1, acc1 * alpha[:, None])
+        acc2 = tl.dot((p * c2[None, :]).to(DT), k2, acc2 * alpha[:, None])
+        acc3 = tl.dot((p * c3[None, :]).to(DT), k3, acc3 * alpha[:, None])
+    else:
+        pc = p.to(DT)
+        acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits", "tiles_per_split"])
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, kscale_ptr,
+    qk_scale_log2,  # softmax_scale * log2(e) (times k_scale when it is a host float)
+    v_scale,  # host float k_scale for fp8 (1.0 otherwise)
+    num_heads, topk, num_slots, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks,
+    stride_it, stride_ik,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    num_splits, tiles_per_split,
+    KV_FORMAT: tl.constexpr,
+    KSCALE_FROM_PTR: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DS_FOLD: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    GROUP: tl.constexpr = 128
+    ROPE: tl.constexpr = 64
+    DV: tl.constexpr = 512
+
+    n_hb = tl.cdiv(num_heads, BLOCK_H)
+    pid = tl.program_id(0)
+    hb = pid % n_hb
+    rest = pid // n_hb
+    sp = rest % num_splits
+    t = rest // num_splits
+
+    DT = q_ptr.dtype.element_ty
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < num_heads
+    offs_g = tl.arange(0, GROUP)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    q0 = tl.load(q_row + (0 * GROUP + offs_g)[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + (1 * GROUP + offs_g)[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_row + (2 * GROUP + offs_g)[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_row + (3 * GROUP + offs_g)[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+    qr = tl.load(q_row + (DV + tl.arange(0, ROPE))[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+
+    qk_scale = qk_scale_log2
+    vs = v_scale
+    if KV_FORMAT == 1:
+        if KSCALE_FROM_PTR:
+            ks = tl.load(kscale_ptr)
+            qk_scale = qk_scale * ks
+            vs = ks
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, GROUP], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, GROUP], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, GROUP], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, GROUP], dtype=tl.float32)
+
+    # This split covers tiles [tile_lo, tile_lo + tiles_per_split) of the row's top-k list; slots
+    # past `lim` (the split's end or topk) read as -1.
+    tile_lo = sp * tiles_per_split
+    lim = tl.minimum((tile_lo + tiles_per_split) * BLOCK_N, topk)
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    if PREFETCH:
+        # Software pipeline: while tile i is computed, the KV rows of tile i+1 and the indices of
+        # tile i+2 are in flight (all of a tile's loads are issued together, before any barrier).
+        valid, row = _tile_rows(idx_row, stride_ik, tile_lo, lim, num_slots, block_size, stride_kb, stride_ks, BLOCK_N)
+        r0, r1, r2, r3, rr, c0, c1, c2, c3 = _load_tile(kv_ptr, row, valid, KV_FORMAT, DT)
+        valid_n, row_n = _tile_rows(idx_row, stride_ik, tile_lo + 1, lim, num_slots, block_size, stride_kb,
+                                    stride_ks, BLOCK_N)
+        for i in range(0, tiles_per_split):
+            n0, n1, n2, n3, nr, d0, d1, d2, d3 = _load_tile(kv_ptr, row_n, valid_n, KV_FORMAT, DT)
+            valid_nn, row_nn = _tile_rows(idx_row, stride_ik, tile_lo + i + 2, lim, num_slots, block_size,
+                                          stride_kb, stride_ks, BLOCK_N)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                q0, q1, q2, q3, qr, r0, r1, r2, r3, rr, c0, c1, c2, c3, valid, qk_scale,
+                m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, DS_FOLD, DT)
+            r0, r1, r2, r3, rr, c0, c1, c2, c3 = n0, n1, n2, n3, nr, d0, d1, d2, d3
+            valid = valid_n
+            valid_n, row_n = valid_nn, row_nn
+    else:
+        for i in range(0, tiles_per_split):
+            valid, row = _tile_rows(idx_row, stride_ik, tile_lo + i, lim, num_slots, block_size, stride_kb,
+                                    stride_ks, BLOCK_N)
+            r0, r1, r2, r3, rr, c0, c1, c2, c3 = _load_tile(kv_ptr, row, valid, KV_FORMAT, DT)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                q0, q1, q2, q3, qr, r0, r1, r2, r3, rr, c0, c1, c2, c3, valid, qk_scale,
+                m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, DS_FOLD, DT)
+
+    has = l_i > 0.0
+    inv = tl.where(has, vs / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    offs_d = tl.arange(0, GROUP)
+    if SPLIT:
+        # Partial results: o normalized by its own sum, fp32 [T, H, S, 512]; lse [T, H, S].
+        prow = (t.to(tl.int64) * num_heads + offs_h) * num_splits + sp
+        po = po_ptr + prow[:, None] * DV + offs_d[None, :]
+        tl.store(po + 0 * GROUP, acc0 * inv[:, None], mask=hmask[:, None])
+        tl.store(po + 1 * GROUP, acc1 * inv[:, None], mask=hmask[:, None])
+        tl.store(po + 2 * GROUP, acc2 * inv[:, None], mask=hmask[:, None])
+        tl.store(po + 3 * GROUP, acc3 * inv[:, None], mask=hmask[:, None])
+        tl.store(plse_ptr + prow, lse, mask=hmask)
+    else:
+        o_row = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        OT = out_ptr.dtype.element_ty
+        tl.store(o_row + (0 * GROUP + offs_d)[None, :] * stride_od, (acc0 * inv[:, None]).to(OT), mask=hmask[:, None])
+        tl.store(o_row + (1 * GROUP + offs_d)[None, :] * stride_od, (acc1 * inv[:, None]).to(OT), mask=hmask[:, None])
+        tl.store(o_row + (2 * GROUP + offs_d)[None, :] * stride_od, (acc2 * inv[:, None]).to(OT), mask=hmask[:, None])
+        tl.store(o_row + (3 * GROUP + offs_d)[None, :] * stride_od, (acc3 * inv[:, None]).to(OT), mask=hmask[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
+def _sparse_mla_merge_kernel(
+    po_ptr, plse_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge ``num_splits`` partial (o, lse) pairs of one (token, head) by their LSE.
+
+    Program ``(t * H + h) * (512 // BLOCK_D) + d`` writes columns ``d*BLOCK_D ..`` of out[t, h]
+    (and lse[t, h] when d == 0)."""
+    DV: tl.constexpr = 512
+    ND: tl.constexpr = DV // BLOCK_D
+    pid = tl.program_id(0)
+    dblk = pid % ND
+    row = pid // ND
+    h = row % num_heads
+    t = row // num_heads
+    base = row.to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    lse_s = tl.load(plse_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    finite = m > float("-inf")
+    m_safe = tl.where(finite, m, 0.0)
+    w = tl.where(smask, tl.exp(lse_s - m_safe), 0.0)
+    wsum = tl.sum(w, axis=0)
+    wn = tl.where(finite, w / tl.where(finite, wsum, 1.0), 0.0)
+    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    po = tl.load(po_ptr + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(po * wn[:, None], axis=0)
+    OT = out_ptr.dtype.element_ty
+    o_row = out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+    tl.store(o_row + offs_d * stride_od, o.to(OT))
+    if dblk == 0:
+        lse = tl.where(finite, m_safe + tl.log(tl.where(finite, wsum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch (shapes and device only: CUDA-graph safe)
+# --------------------------------------------------------------------------------------------
+
+MAX_SPLITS = 64  # the merge kernel handles up to 64 partial results per row
+
+# Shared memory per block available on SM120/SM121 (RTX PRO 6000, RTX 5090, DGX Spark).
+SM120_SHARED_LIMIT = 101376
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(index: int) -> tuple[int, int, int]:
+    """(major, minor, multiprocessor count) of a CUDA device, cached (no sync after first call)."""
+    p = torch.cuda.get_device_properties(index)
+    return p.major, p.minor, p.multi_processor_count
+
+
+def _pick_config(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
+    """Tile configuration for ``num_heads`` heads and ``num_tokens`` query rows on a device of
+    compute capability major ``cc_major`` (shapes only: CUDA-graph safe).
+
+    Returns BLOCK_H (heads per program, >= 16: the MMA minimum), BLOCK_N (KV rows per tile),
+    num_warps, num_stages, PREFETCH (software-pipelined loop: tile i+1's KV loads in flight while
+    tile i is computed), DS_FOLD (fp8_ds_mla scales folded into S and P instead of dequantizing K)
+    and WAVES (split the top-k range until there are WAVES x SM-count programs).
+    Hopper (cc 9) and datacenter Blackwell (cc 10) have ~227 KB of shared memory per block;
+    everything else (SM120/SM121, SM89, SM80) is planned against SM120's 101,376 B and checked by
+    tools/sm120_check.py. The SM90 choices were measured on an H200 (docs/notes/sparse_mla.md).
+    """
+    big_smem = cc_major in (9, 10)
+    if num_heads <= 16:
+        bh = 16
+    elif num_heads <= 32 or not big_smem:
+        bh = 32
+    else:
+        bh = 64
+    if big_smem:
+        if bh == 64:
+            return {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "PREFETCH": False,
+                    "DS_FOLD": False, "WAVES": 2}
+        if bh == 16 and num_tokens >= 64:
+            return {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PREFETCH": True,
+                    "DS_FOLD": False, "WAVES": 1}
+        return {"BLOCK_H": bh, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True,
+                "DS_FOLD": False, "WAVES": 2}
+    return {"BLOCK_H": bh, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True,
+            "DS_FOLD": False, "WAVES": 2}
+
+
+def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, num_sms: int,
+                     waves: float = 1.0) -> int:
+    """Split the top-k range across programs when T * head-blocks would underfill the GPU
+    (fewer than ``waves * num_sms`` programs)."""
+    n_tiles = max(1, triton.cdiv(topk, block_n))
+    base = max(1, num_tokens * n_hblocks)
+    target = max(1, int(waves * num_sms))
+    if base >= target:
+        return 1
+    splits = triton.cdiv(target, base)
+    return max(1, min(splits, n_tiles, MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _as_kv_view(kv_cache: torch.Tensor, code: int, q_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    _, width, storage = kv_format_info(kv_format, q_dtype)
+    if code == _FMT_16BIT:
+        if kv_cache.dtype != storage:
+            raise ValueError(f"kv_format {kv_format!r} needs a {storage} cache, got {kv_cache.dtype}")
+        if kv_cache.dtype != q_dtype:
+            raise ValueError(f"16-bit kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype}")
+    else:
+        if kv_cache.element_size() != 1:
+            raise ValueError(f"kv_format {kv_format!r} needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv_cache.dtype}")
+        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"kv_format {kv_format!r}: unsupported cache dtype {kv_cache.dtype}")
+        kv_cache = kv_cache.view(torch.uint8)
+    if kv_cache.shape[2] != width:
+        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
+    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
+        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned (scales are read as fp32)")
+    return kv_cache
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    validate: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention of each query row over its selected KV-cache slots.
+
+    Args:
+        q: ``[T, H, 576]`` bf16 or fp16 (512 absorbed latent, then 64 rope). Any strides; read in
+            place (never copied).
+        kv_cache: ``[num_blocks, block_size, W]`` (or ``[num_blocks, block_size, 1, W]``) in the
+            layout of ``kv_format``: ``fp8_ds_mla`` uint8/float8_e4m3fn W=656; ``fp8``/``fp8_e4m3``
+            uint8/float8_e4m3fn W=576; ``auto``/``bfloat16``/``float16`` same dtype as q, W=576.
+            Last dimension contiguous; block and token strides are free (views of a larger
+            allocation are fine).
+        indices: ``[T, topk]`` int32 physical slots ``block * block_size + offset``; negative = no
+            token; ``>= num_blocks * block_size`` = out of range, treated as no token (see the
+            module docstring). Any strides. Duplicates count once per occurrence.
+        softmax_scale: the scale applied to q.k before the softmax (GLM-5: 256 ** -0.5).
+        kv_format: vLLM ``kv_cache_dtype`` name of the cache layout (see ``kv_format_info``).
+        k_scale: per-tensor scale of the ``fp8`` format (fp32 tensor with one element, read on the
+            device, or a Python float); ignored by ``fp8_ds_mla`` (its scales are in the rows) and
+            the 16-bit formats; defaults to 1.0.
+        out: optional ``[T, H, 512]`` output, q's dtype (or fp32); any strides.
+        lse: optional ``[T, H]`` fp32 output; any strides.
+        num_splits: split each row's top-k range over this many programs (merged by LSE);
+            ``None`` picks it from shapes and the SM count.
+        validate: debug only: check index ranges on the host (synchronizes; not capturable) and
+            raise ``ValueError`` on an index >= num_blocks * block_size.
+        config: tuning only: override the dispatch's tile config (keys BLOCK_H, BLOCK_N,
+            num_warps, num_stages, DS_FOLD).
+
+    Returns:
+        ``(out, lse)``: ``out[t, h] = softmax(softmax_scale * q[t, h] . K[idx]) @ V[idx]`` and
+        ``lse[t, h]`` its natural-log log-sum-exp; rows with no valid index: zeros and ``-inf``.
+    """
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
+    code, _, _ = kv_format_info(kv_format, q.dtype)
+    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
+    T, H, _ = q.shape
+    if H < 1:
+        raise ValueError("q needs at least one head")
+    if indices.dim() != 2 or indices.shape[0] != T:
+        raise ValueError(f"indices must be [T={T}, topk], got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    topk = indices.shape[1]
+    for name, tns in (("kv_cache", kv), ("indices", indices)):
+        if tns.device != q.device:
+            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
+    num_blocks, block_size = kv.shape[0], kv.shape[1]
+    num_slots = num_blocks * block_size
+    if num_slots >= 2**31:
+        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
+
+    if out is None:
+        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device:
+        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    elif lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
+
+    if validate and T * topk > 0:
+        bad = (indices >= num_slots).any().item()
+        if bad:
+            raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
+
+    # k_scale: host float folds into the scales on the host; a tensor is read in the kernel.
+    kscale_from_ptr = False
+    v_scale = 1.0
+    kscale_arg = lse  # any valid pointer when unused
+    qk_scale = float(softmax_scale) * _LOG2E
+    if code == _FMT_FP8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
+                raise ValueError("k_scale tensor must hold one float32 on q's device")
+            kscale_from_ptr = True
+            kscale_arg = k_scale
+        elif k_scale is not None:
+            v_scale = float(k_scale)
+            qk_scale *= v_scale
+
+    if T == 0:
+        return out, lse
+
+    if q.is_cuda:
+        major, _, num_sms = _device_props(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    else:  # interpreter (TRITON_INTERPRET=1) on CPU
+        major, num_sms = 0, 4
+    cfg = dict(_pick_config(H, major, T))
+    if config:
+        cfg.update(config)
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    n_hb = triton.cdiv(H, bh)
+    n_tiles = max(1, triton.cdiv(topk, bn))
+    if num_splits is None:
+        num_splits = _pick_num_splits(T, n_hb, topk, bn, num_sms, cfg.get("WAVES", 1))
+    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
+    tiles_per_split = triton.cdiv(n_tiles, num_splits)
+    num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
+    split = num_splits > 1
+
+    if split:
+        po = torch.empty((T, H, num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po, plse = out, lse  # unused
+
+    grid = (T * n_hb * num_splits,)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, out, lse, po, plse, kscale_arg,
+        qk_scale, v_scale,
+        H, topk, num_slots, block_size,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        num_splits, tiles_per_split,
+        KV_FORMAT=code,
+        KSCALE_FROM_PTR=kscale_from_ptr,
+        SPLIT=split,
+        DS_FOLD=bool(cfg["DS_FOLD"]) and code == _FMT_DS_MLA,
+        PREFETCH=bool(cfg.get("PREFETCH", True)),
+        BLOCK_H=bh,
+        BLOCK_N=bn,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        _sparse_mla_merge_kernel[(T * H * (LATENT_DIM // 128),)](
+            po, plse, out, lse,
+            H, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            BLOCK_S=16 if num_splits <= 16 else MAX_SPLITS,
+            BLOCK_D=128,
+            num_warps=4,
+        )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (PyTorch, float64 on dequantized values)
+# --------------------------------------------------------------------------------------------
+
+
+def _dequantize_rows(rows: torch.Tensor, code: int, k_scale, rope_dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize gathered cache rows ``[..., W]`` to float64 ``[..., 576]`` (exact values)."""
+    if code == _FMT_DS_MLA:
+        rows = rows.contiguous()
+        lat = rows[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float64)
+        sc = rows[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32).to(torch.float64)
+        lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
+        rope = rows[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float64)
+        return torch.cat([lat, rope], dim=-1)
+    if code == _FMT_FP8:
+        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
+        return rows.contiguous().view(torch.float8_e4m3fn).to(torch.float64) * ks
+    return rows.to(torch.float64)
+
+
+def sparse_mla_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    chunk: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference of :func:`sparse_mla_decode` (same arguments; returns float64 out, lse).
+
+    Gathers the selected rows, dequantizes them exactly (e4m3 x fp32 scale, 16-bit rope), and
+    computes the softmax in float64. Negative and out-of-range indices contribute nothing;
+    duplicates count once per occurrence; a row with no valid index gives zeros and -inf.
+    """
+    code, _, _ = kv_format_info(kv_format, q.dtype)
+    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
+    nb, bs, w = kv.shape
+    flat = kv.reshape(nb * bs, w)
+    T, H, _ = q.shape
+    out = torch.zeros((T, H, LATENT_DIM), dtype=torch.float64, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64, device=q.device)
+    idx_all = indices.to(torch.int64)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        idx = idx_all[t0:t1]
+        valid = (idx >= 0) & (idx < nb * bs)
+        rows = flat[torch.where(valid, idx, 0)]  # [c, topk, W]
+        k = _dequantize_rows(rows, code, k_scale, q.dtype)  # [c, topk, 576] float64
+        qq = q[t0:t1].to(torch.float64)
+        s = torch.einsum("chd,ckd->chk", qq, k) * float(softmax_scale)
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        any_valid = valid.any(dim=-1)[:, None, None]
+        m = torch.where(any_valid, m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        o = torch.einsum("chk,ckd->chd", p, k[..., :LATENT_DIM]) / torch.where(any_valid, denom, torch.ones_like(denom))
+        out[t0:t1] = torch.where(any_valid, o, torch.zeros_like(o))
+        lse[t0:t1] = torch.where(any_valid[..., 0], (m + torch.log(denom))[..., 0], torch.full_like(m[..., 0], float("-inf")))
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# SM120 compile specs (tools/sm120_check.py)
+# --------------------------------------------------------------------------------------------
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def SM120_COMPILE_SPECS() -> list[dict]:
+    """Every kernel configuration the dispatch can choose on SM120/SM121 (see tools/sm120_check.py).
+
+    Enumerates head counts 1..128 through ``_pick_config(H, 12)``, the three cache formats, both q
+    dtypes, the split and non-split variants, plus the merge kernel. Integer arguments that the
+    runtime specializes (divisible by 16: pointers, strides, sizes) are declared so, and strides
+    equal to 1 as the constexpr 1 that Triton's launcher uses.
+    """
+    specs = []
+    configs = {}
+    for h in range(1, 129):
+        for t in (1, 4096):
+            c = _pick_config(h, 12, t)
+            configs[(c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c["DS_FOLD"], c["PREFETCH"])] = c
+    for (bh, bn, nw, ns, fold, pref) in sorted(configs):
+        for qdt, qt in _PTR_TYPES.items():
+            for code, fmt in ((_FMT_DS_MLA, "fp8_ds_mla"), (_FMT_FP8, "fp8"), (_FMT_16BIT, "auto")):
+                for split in (False, True):
+                    kvt = "*u8" if code != _FMT_16BIT else qt
+                    sig = {
+                        "q_ptr": qt, "kv_ptr": kvt, "idx_ptr": "*i32", "out_ptr": qt, "lse_ptr": "*fp32",
+                        "po_ptr": "*fp32", "plse_ptr": "*fp32", "kscale_ptr": "*fp32",
+                        "qk_scale_log2": "fp32", "v_scale": "fp32",
+                        "num_heads": "i32", "topk": "i32", "num_slots": "i32", "block_size": "i32",
+                        "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
+                        "stride_kb": "i32", "stride_ks": "i32",
+                        "stride_it": "i32", "stride_ik": "constexpr",
+                        "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
+                        "stride_lt": "i32", "stride_lh": "constexpr",
+                        "num_splits": "i32", "tiles_per_split": "i32",
+                        "KV_FORMAT": "constexpr", "KSCALE_FROM_PTR": "constexpr", "SPLIT": "constexpr",
+                        "DS_FOLD": "constexpr", "PREFETCH": "constexpr", "BLOCK_H": "constexpr",
+                        "BLOCK_N": "constexpr",
+                    }
+                    specs.append({
+                        "name": f"sparse_mla_fwd[{fmt},{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},s={ns},"
+                                f"fold={int(fold and code == _FMT_DS_MLA)},prefetch={int(pref)},split={int(split)}]",
+                        "fn": _sparse_mla_fwd_kernel,
+                        "signature": sig,
+                        "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
+                                       "KV_FORMAT": code, "KSCALE_FROM_PTR": code == _FMT_FP8,
+                                       "SPLIT": split, "DS_FOLD": fold and code == _FMT_DS_MLA, "PREFETCH": pref,
+                                       "BLOCK_H": bh, "BLOCK_N": bn},
+                        "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr",
+                                            "kscale_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
+                                            "stride_it", "stride_ot", "stride_oh"],
+                        "num_warps": nw,
+                        "num_stages": ns,
+                    })
+    for (qdt, qt), block_s in [(x, b) for x in _PTR_TYPES.items() for b in (16, MAX_SPLITS)]:
+        specs.append({
+            "name": f"sparse_mla_merge[{str(qdt).split('.')[-1]},BLOCK_S={block_s}]",
+            "fn": _sparse_mla_merge_kernel,
+            "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": qt, "lse_ptr": "*fp32",
+                          "num_heads": "i32", "num_splits": "i32",
+                          "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
+                          "stride_lt": "i32", "stride_lh": "constexpr",
+                          "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"},
+            "constexprs": {"stride_od": 1, "stride_lh": 1, "BLOCK_S": block_s, "BLOCK_D": 128},
+            "divisible_by_16": ["po_ptr", "plse_ptr", "out_ptr", "lse_ptr", "stride_ot", "stride_oh"],
+            "num_warps": 4,
+            "num_stages": 1,
+        })
+    return specs

@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA decode vs its float64 reference: CPU interpreter on small shapes (fp16 queries: the
+interpreter's bf16 tl.dot is wrong under Triton 3.6 + CPU torch), GPU at GLM-5 shapes (bf16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.triton_mla_kv_cache import mla_kv_cache_write
+from kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEV = "cuda" if GPU else "cpu"
+SCALE = 256 ** -0.5
+
+
+def make_cache(fmt, nb, bs, dtype, device, k_scale=None, scale_format="arbitrary_fp32"):
+    n = nb * bs
+    amp = torch.rand((n, 1), device=device) * 4 + 0.1
+    kv_c = (torch.randn((n, 512), device=device) * amp).to(dtype)
+    k_pe = torch.randn((n, 64), device=device).to(dtype)
+    width = {"fp8_ds_mla": 656, "fp8": 576}.get(fmt, 576)
+    cache = torch.empty((nb, bs, width), dtype=torch.uint8 if fmt in ("fp8_ds_mla", "fp8") else dtype, device=device)
+    mla_kv_cache_write(kv_c, k_pe, cache, torch.arange(n, device=device), fmt, k_scale, ds_scale_format=scale_format)
+    return cache
+
+
+def check(q, cache, idx, fmt, k_scale=None, num_splits=None, tol=None, out=None, lse=None, config=None):
+    T, H, _ = q.shape
+    if out is None:
+        out = torch.empty((T, H, 512), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    out.fill_(float("nan"))  # poison
+    lse.fill_(float("nan"))
+    o, l = sparse_mla_decode(q, cache, idx, SCALE, fmt, k_scale, out=out, lse=lse, num_splits=num_splits, config=config)
+    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+    ro, rl = sparse_mla_decode_reference(q, cache, idx, SCALE, fmt, k_scale)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
+    empty = ~((idx >= 0) & (idx < cache.shape[0] * cache.shape[1])).any(dim=1)
+    assert torch.all(lse[empty] == float("-inf")) and torch.all(out[empty] == 0)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
+    if tol is None:
+        tol = 1e-2 if q.dtype == torch.bfloat16 else 3e-3
+    err = ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+    fin = torch.isfinite(rl)
+    lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    assert err < tol, f"relative error {err:.2e} >= {tol}"
+    assert lerr < 10 * tol, f"lse error {lerr:.2e}"
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter) or GPU: small shapes and edge cases
+# --------------------------------------------------------------------------------------------
+
+DT = torch.bfloat16 if GPU else torch.float16
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "auto"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_small_formats_and_splits(fmt, num_splits, seed):
+    nb, bs, T, H, topk = 5, 16, 3, 5, 40
+    ks = torch.tensor([0.05], device=DEV) if fmt == "fp8" else None
+    cache = make_cache(fmt, nb, bs, DT, DEV, ks)
+    q = torch.randn((T, H, 576), device=DEV).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    idx[0, :11] = -1  # padding
+    idx[2, 7] = idx[2, 8]  # duplicate
+    check(q, cache, idx, fmt, ks, num_splits)
+
+
+def test_edge_rows_duplicates_out_of_range(seed):
+    nb, bs, T, H, topk = 4, 16, 4, 3, 33
+    cache = make_cache("fp8_ds_mla", nb, bs, DT, DEV)
+    q = torch.randn((T, H, 576), device=DEV).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    idx[1] = -1  # no valid index: zeros and -inf
+    idx[2, :] = 17  # one slot, 33 times: weight of each copy counts
+    idx[3, :5] = nb * bs + 3  # out of range: contributes nothing (like -1)
+    idx[3, 5:7] = -7  # any negative value = no token
+    for ns in (1, 2):
+        check(q, cache, idx, "fp8_ds_mla", num_splits=ns)
+    # duplicates really count: lse([5, 5, 9]) = logaddexp(lse([5, 9]), lse([5]))
+    def one(ix):
+        return sparse_mla_decode(q[:1], cache, torch.tensor([ix], device=DEV, dtype=torch.int32), SCALE, "fp8_ds_mla")[1]
+    assert torch.allclose(one([5, 5, 9]), torch.logaddexp(one([5, 9, -1]), one([5, -1, -1])), atol=1e-3)
+    with pytest.raises(ValueError, match="slots"):
+        sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", validate=True)
+
+
+def test_strided_views_and_float_kscale(seed):
+    """q, indices, out and lse as non-contiguous views (as vLLM hands them over); k_scale a float."""
+    nb, bs, T, H, topk = 4, 16, 3, 6, 24
+    cache = make_cache("fp8", nb, bs, DT, DEV, 0.04)
+    qbig = torch.randn((T, H + 2, 600), device=DEV).to(DT)
+    q = qbig[:, 1:H + 1, 10:586]
+    ibig = torch.randint(0, nb * bs, (T, 2 * topk), device=DEV, dtype=torch.int32)
+    idx = ibig[:, ::2]
+    out = torch.empty((T, 512, H), device=DEV, dtype=DT).transpose(1, 2)
+    lse = torch.empty((H, T), device=DEV, dtype=torch.float32).t()  # vLLM's merge_attn_states layout
+    check(q, cache, idx, "fp8", 0.04, out=out, lse=lse)
+
+
+def test_kv_cache_views_and_block_size(seed):
+    """A cache that is a view into a bigger allocation (block stride != block_size * W), 4-D form."""
+    nb, bs, T, H, topk = 3, 64, 2, 4, 50
+    big = torch.zeros((nb, bs + 16, 656), dtype=torch.uint8, device=DEV)
+    cache = big[:, :bs]
+    cache.copy_(make_cache("fp8_ds_mla", nb, bs, DT, DEV))
+    q = torch.randn((T, H, 576), device=DEV).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    check(q, cache.unsqueeze(2), idx, "fp8_ds_mla")
+
+
+def test_errors():
+    cache = torch.zeros((2, 16, 656), dtype=torch.uint8, device=DEV)
+    q = torch.zeros((1, 2, 576), dtype=DT, device=DEV)
+    idx = torch.zeros((1, 4), dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="kv_format"):
+        sparse_mla_decode(q, cache, idx, SCALE, "int4")
+    with pytest.raises(ValueError, match="rows of 576"):
+        sparse_mla_decode(q, cache, idx, SCALE, "fp8")
+    with pytest.raises(ValueError, match="int32"):
+        sparse_mla_decode(q, cache, idx.long(), SCALE, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        sparse_mla_decode(q.float(), cache, idx, SCALE, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="cache, got|must match q dtype"):
+        other = torch.float16 if DT == torch.bfloat16 else torch.bfloat16
+        sparse_mla_decode(q, torch.zeros((2, 16, 576), dtype=other, device=DEV), idx, SCALE, "auto")
+    out, lse = sparse_mla_decode(q[:0], cache, idx[:0], SCALE, "fp8_ds_mla")
+    assert out.shape == (0, 2, 512) and lse.shape == (0, 2)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(T=st.integers(1, 3), H=st.integers(1, 20), topk=st.integers(1, 70), fmt=st.sampled_from(["fp8_ds_mla", "fp8", "auto"]),
+       splits=st.sampled_from([None, 1, 2, 5]), pad=st.floats(0.0, 0.6))
+def test_property_shapes(T, H, topk, fmt, splits, pad):
+    nb, bs = 3, 16
+    cache = make_cache(fmt, nb, bs, DT, DEV, 0.06 if fmt == "fp8" else None)
+    q = torch.randn((T, H, 576), device=DEV).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    idx[torch.rand((T, topk), device=DEV) < pad] = -1
+    check(q, cache, idx, fmt, 0.06 if fmt == "fp8" else None, splits)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU at GLM-5 shapes (bf16)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "bfloat16"])
+@pytest.mark.parametrize("H", [8, 16, 64, 128])
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_gpu_glm5_shapes(fmt, H, T, seed):
+    nb, bs, topk = 512, 64, 2048
+    ks = torch.tensor([0.02], device="cuda") if fmt == "fp8" else None
+    cache = make_cache(fmt, nb, bs, torch.bfloat16, "cuda", ks)
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(nb * bs, device="cuda")[:topk] for _ in range(T)]).to(torch.int32)
+    idx[0, -300:] = -1
+    check(q, cache, idx, fmt, ks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1152, 4096, 100])
+@pytest.mark.parametrize("scale_format", ["arbitrary_fp32", "pow2_fp32"])
+def test_gpu_topk_variants(topk, scale_format, seed):
+    nb, bs, T, H = 256, 64, 7, 8
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda", scale_format=scale_format)
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, topk), device="cuda", dtype=torch.int32)
+    idx[3] = -1
+    check(q, cache, idx, "fp8_ds_mla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", [False, True])
+def test_gpu_configs(fold, seed):
+    """Every tile configuration the dispatch can pick (and the folded-scale variant)."""
+    nb, bs = 256, 64
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
+    for H in (1, 8, 24, 64, 100, 128):
+        q = torch.randn((3, H, 576), device="cuda").to(torch.bfloat16)
+        idx = torch.randint(-50, nb * bs, (3, 2048), device="cuda", dtype=torch.int32)
+        for prefetch in (True, False):
+            check(q, cache, idx, "fp8_ds_mla", config={"DS_FOLD": fold, "PREFETCH": prefetch})
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_many_rows(seed):
+    nb, bs, T, H = 512, 64, 2500, 8
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, 2048), device="cuda", dtype=torch.int32)
+    idx[:, :T % 2048] = -1
+    check(q, cache, idx, "fp8_ds_mla")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(seed):
+    nb, bs, T, H = 256, 64, 2, 8
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, 2048), device="cuda", dtype=torch.int32)
+    out = torch.empty((T, H, 512), device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty((T, H), device="cuda", dtype=torch.float32)
+    sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse)  # warm up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse)
+    for _ in range(2):  # new data in the same buffers
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(torch.bfloat16))
+        idx.copy_(torch.randint(-10, nb * bs, idx.shape, device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+        assert ((out.double() - ro).norm() / ro.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_memcheck_subset(seed):
+    """Small set run once under compute-sanitizer memcheck (see docs/notes/sparse_mla.md)."""
+    nb, bs = 8, 64
+    for fmt in ("fp8_ds_mla", "fp8", "bfloat16"):
+        ks = torch.tensor([0.03], device="cuda") if fmt == "fp8" else None
+        cache = make_cache(fmt, nb, bs, torch.bfloat16, "cuda", ks)
+        for H, T, ns in ((8, 3, None), (64, 2, 1), (128, 1, 4), (5, 2, 3)):
+            q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+            idx = torch.randint(-20, nb * bs + 20, (T, 300), device="cuda", dtype=torch.int32)
+            for prefetch in (True, False):  # both loop structures, whatever the dispatch picks
+                check(q, cache, idx, fmt, ks, ns, config={"PREFETCH": prefetch})
