@@ -122,6 +122,8 @@ def step_apply(ctx: Ctx, pin, wheel: Path):
 
     patches = load_series(ctx.project.patches_dir(pin))
     overlay = ctx.project.overlay_files()
+    ctx.project.verify_spec()  # malformed overlay/verify.toml or CONCERNS.toml: fail before changing anything
+    ctx.project.concerns_spec()
     path, managed = ctx.tree_path(pin)
     if managed and not path.exists():
         if ctx.dry_run:
@@ -134,16 +136,26 @@ def step_apply(ctx: Ctx, pin, wheel: Path):
             return None, sim, patches, overlay
         log(f"creating {path} from {wheel.name}")
         create_baseline(path, pin, wheel, checkout=True)
+        created = True
     elif not path.exists():
         raise UsageError(f"--checkout {path} does not exist")
-    tree = Tree.open(path, pin, managed)
-    msg = None if ctx.dry_run else tree.recover()
-    if msg:
-        log(f"recovered: {msg}")
+    else:
+        created = False
     try:
-        sim = tree.apply(patches, overlay, dry_run=ctx.dry_run)
-    except KeyboardInterrupt:
-        raise ToolError(f"interrupted before anything was changed; {path} is as it was", errors.INTERRUPTED) from None
+        tree = Tree.open(path, pin, managed)
+        msg = None if ctx.dry_run else tree.recover()
+        if msg:
+            log(f"recovered: {msg}")
+        try:
+            sim = tree.apply(patches, overlay, dry_run=ctx.dry_run)
+        except KeyboardInterrupt:
+            raise ToolError(f"interrupted before anything was changed; {path} is as it was", errors.INTERRUPTED) from None
+    except BaseException:
+        if created:  # the tree did not exist before this run: leave no tree behind
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     _print_sim(sim, dry=ctx.dry_run)
     if not sim.changed:
         log(f"{path}: already up to date ({pin.branch} at {sim.commit[:12]})")

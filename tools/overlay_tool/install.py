@@ -18,8 +18,12 @@ MARKER = ".glm5-overlay-venv"
 # ...backends.mla.flashinfer_mla_sparse_sm120 from each pinned wheel installed with --no-deps next
 # to CPU torch (tools/run_tests.py and README "CI" say how). Used by `--deps minimal`.
 IMPORT_DEPS = [
+    # both pins
     "numpy", "packaging", "regex", "psutil", "pyzmq", "urllib3", "transformers", "cbor2",
     "aiohttp", "requests", "openai-harmony", "openai", "einops",
+    # 0.33.0 adds
+    "pillow", "pybase64", "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo",
+    "prometheus_client", "xgrammar", "fastapi", "partial_json_parser", "llguidance",
 ]
 
 
@@ -133,12 +137,14 @@ def install(
             elif base(have["torch"]) != pin.torch:
                 log(f"note: keeping torch {have['torch']} (vLLM {pin.version} pins {pin.torch}); "
                     f"the release's compiled ops are built for {pin.torch} and are not exercised")
-            cons = []
-            if have["torch"]:
-                cfile = v.path / ".glm5-constraints.txt"
-                if not dry_run:
-                    cfile.write_text(f"torch=={have['torch']}\n")
-                cons = ["-c", str(cfile)]
+            # never let a dependency move torch or triton away from what is there / pinned
+            cfile = v.path / ".glm5-constraints.txt"
+            torch_req = f"torch=={have['torch']}" if have.get("torch") else f"torch=={pin.torch}"
+            triton_req = f"triton=={have['triton']}" if have.get("triton") else f"triton{pin.triton}"
+            lines = [torch_req, triton_req]
+            if not dry_run:
+                cfile.write_text("\n".join(lines) + "\n")
+            cons = ["-c", str(cfile)]
             pip(v, ["install", *cons, *pkgs, *(extra or [])], dry_run, log)
     return installed(v) if not dry_run else have
 
