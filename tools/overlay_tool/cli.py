@@ -222,13 +222,18 @@ def step_install(ctx: Ctx, pin, build):
     return v, have, deps
 
 
-def step_verify(ctx: Ctx, pin, wheel: Path, tree, patches, overlay, build, v, deps, sim=None) -> int:
+def step_verify(ctx: Ctx, pin, wheel: Path, tree, patches, overlay, build, v, deps, sim=None, timings=None) -> int:
     import hashlib
 
     from .project import sha256_file
     from .verify import check_imports, check_wheel, command_line, kernel_tests, now, write_reports
 
-    expected_commit = tree.simulate(tree.base, patches, overlay).commit if tree.managed else tree.g.rev("HEAD")
+    # The wheel is checked against the commit it was built from (build refuses a tree whose content
+    # is not the series + overlay, so that commit is what they say); overlay/kernels edited since
+    # the build are reported as a note.
+    expected_commit = build.head
+    if tree.g.run("cat-file", "-e", f"{expected_commit}^{{commit}}", check=False).returncode != 0:
+        raise UsageError(f"the build's commit {expected_commit[:12]} is not in {tree.path}: run build again")
     changes = tree.changed_paths(tree.base, expected_commit)
     exp_sha = {}
     for path, st in changes.items():
@@ -245,7 +250,14 @@ def step_verify(ctx: Ctx, pin, wheel: Path, tree, patches, overlay, build, v, de
         "overlay": [{"source": f.source, "dest": f.dest, "sha256": f.sha256} for f in overlay],
         "build": {"wheel": str(build.wheel), "version": build.version, "sha256": build.sha256},
         "notes": [],
+        "timings": dict(timings or {}),
     }
+    if tree.managed:
+        from .build import drift_of
+
+        stale, why = drift_of(tree, patches, overlay)
+        if stale and not build.drift:
+            report["notes"].append(f"patches/ or overlay/kernels changed since this build ({why}); run the tool again to rebuild")
     t0 = time.time()
     log("verify (a): built wheel against the release wheel ...")
     report["tree_check"] = check_wheel(wheel, build.wheel, build.version, changes, exp_sha)
@@ -327,6 +339,7 @@ def run(ns: argparse.Namespace) -> int:
         wheel = step_fetch(ctx, pin)
         export_pr(ctx.project, pin, wheel, out, ns.concern, ns.signoff, ns.include_not_needed, ctx.dry_run, log)
         return 0
+    t_start = time.time()
     wheel = step_fetch(ctx, pin)
     if verb == "apply":
         step_apply(ctx, pin, wheel)
@@ -351,15 +364,22 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError(f"{v.path} is not a virtual environment: run install first")
         return step_verify(ctx, pin, wheel, tree, load_series(ctx.project.patches_dir(pin)), ctx.project.overlay_files(), build, v, "unknown")
     # all: fetch -> apply -> build -> install -> verify
+    timings = {"fetch_s": round(time.time() - t_start, 1)}
     t0 = time.time()
     tree, sim, patches, overlay = step_apply(ctx, pin, wheel)
+    timings["apply_s"] = round(time.time() - t0, 1)
     if ctx.dry_run:
         log("dry run: would build, install into " + str(ctx.venv_arg or ctx.project.default_venv(pin)) + " and verify")
         return 0
+    t0 = time.time()
     build = step_build(ctx, pin, tree, patches, overlay, wheel)
+    timings["build_s"] = round(time.time() - t0, 1)
+    t0 = time.time()
     v, have, deps = step_install(ctx, pin, build)
-    rc = step_verify(ctx, pin, wheel, tree, patches, overlay, build, v, deps, sim)
-    log(f"done in {time.time() - t0:.0f} s")
+    timings["install_s"] = round(time.time() - t0, 1)
+    t0 = time.time()
+    rc = step_verify(ctx, pin, wheel, tree, patches, overlay, build, v, deps, sim, timings)
+    log(f"done in {time.time() - t_start:.0f} s ({', '.join(f'{k[:-2]} {v:.0f} s' for k, v in timings.items())}, verify {time.time() - t0:.0f} s)")
     return rc
 
 

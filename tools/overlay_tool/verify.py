@@ -240,7 +240,8 @@ def kernel_tests(python: Path, project_root: Path, tests_dir: Path, cuda: bool, 
         "interpreter": not cuda,
         "summary": summary.strip("= "),
         "seconds": round(time.time() - t0, 1),
-        "problems": [] if r.returncode == 0 else [f"pytest exit {r.returncode}: {summary}"] + tail[-8:],
+        "problems": [] if r.returncode == 0 else [f"pytest exit {r.returncode}: {summary}"]
+        + [line for line in tail if line.startswith(("FAILED ", "ERROR "))],
     }
 
 
@@ -301,6 +302,8 @@ def markdown(r: dict) -> str:
             L += [f"- {p}" for p in c.get("problems", [])]
         else:
             L.append(f"- skipped: {c['skipped']}")
+    if r.get("timings"):
+        L += ["", "## Timings", ""] + [f"- {k[:-2]}: {v} s" for k, v in r["timings"].items()]
     if r.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(L) + "\n"
