@@ -124,6 +124,9 @@ def build_wheel(
         if not built.exists():
             raise ExternalError(f"wheel pack did not write {wheel_name} (wrote {[p.name for p in tmp_out.iterdir()]})")
         os.replace(built, dest)
+    for old_build in out_dir.glob(f"vllm-{pin.version}+{LOCAL_TAG}.*.whl"):
+        if old_build != dest:  # earlier builds of this pin (each ~300 MB)
+            old_build.unlink()
     digest = sha256_file(dest)
     log(f"built {dest}")
     return BuildResult(dest, version, digest, head, drift)
