@@ -1,0 +1,646 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Exact per-row top-k for the DSA indexer, in Triton (replaces vLLM's ``top_k_per_row_prefill``,
+``top_k_per_row_decode`` and ``persistent_topk`` CUDA ops).
+
+For every logits row ``r`` with a valid column range ``[start_r, end_r)`` the kernel writes the
+``k`` columns with the largest logits, as request-local int32 positions ``col - start_r`` (what
+vLLM's ops return), and ``-1`` in the slots left over when the row is shorter than ``k``.
+
+Semantics (documented, tested against ``torch.topk``):
+
+* **Exact.** The selected set is the true top-k of the row's fp32 logits (compared as fp32, with
+  ``-0.0 < +0.0``; NaN is not supported).
+* **Ties: the lower index wins.** Among equal logits at the k-th place the smallest positions are
+  taken, so the result is a deterministic function of the logits (upstream's CUDA ops break ties
+  by thread arrival order, which is not deterministic). ``torch.topk`` does not document its tie
+  order; where logits are distinct the sets are identical, with ties the value multisets are.
+* **Order inside a row is unspecified.** The current kernel writes the elements above its upper
+  pivot in ascending position, then the remaining selected ones in ascending position (so a row
+  shorter than ``k`` is ``0, 1, ..., L-1, -1, ...``). vLLM's consumers treat the row as a set.
+* Rows with ``L <= k`` (and empty / padded rows, ``L <= 0``) are written as ``0..L-1`` then -1.
+
+Algorithm (two launches; the row's logits are read once from L2/HBM in the common case):
+
+1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
+   ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
+   are radix-selected in registers (16-bin ``tl.histogram`` per 4-bit digit) at the two ranks
+   ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they bound a window ``[lo, hi]`` that contains the
+   k-th largest value with overwhelming probability (``hi`` rounded up, ``lo`` down to 20 bits).
+   Then one streaming pass over the program's segment of the row: elements above ``hi`` are
+   written out (their count must stay below ``k``), window elements are compacted in position
+   order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
+   are too few rows to fill the GPU (every program computes the same window).
+2. *Resolve* (``_topk_merge_kernel``, grid ``(rows,)``): rows ``<= k`` are filled, rows
+   ``<= CAP`` are selected straight from the logits; longer rows concatenate their segments (in
+   position order), radix-select the k-th key ``tau`` among the window (only the bits that vary
+   inside the window), then take the candidates ``> tau`` plus the first ``need`` ones ``== tau``
+   (lowest positions first).
+3. *Fallback* (not instrumented; by the margin choice a row misses the window with probability
+   ~1e-5 on unstructured logits; exact also for adversarial rows, e.g. huge blocks of identical logits): if the window missed the k-th value or holds more than ``CAP`` candidates, it
+   is fixed from the exact counts and narrowed by 16-way multisection passes over the row until it
+   fits, or until it is a single value (then the tied elements are taken in position order).
+
+Floats are compared through the order-preserving int32 key ``b ^ 0x7fffffff if b < 0 else b``
+(``b`` = the fp32 bits). The grids and every constexpr come from shapes and the host-known
+``max_seq_len`` (and the SM count): the call is CUDA-graph capturable and never syncs the host.
+
+This file imports only torch, triton and the standard library: it runs standalone (tests,
+benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_dsa_topk.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "top_k_per_row_prefill",
+    "top_k_per_row_decode",
+    "persistent_topk",
+    "topk_rows",
+    "top_k_per_row_prefill_reference",
+    "top_k_per_row_decode_reference",
+    "persistent_topk_reference",
+    "topk_rows_reference",
+    "topk_config",
+    "SM120_COMPILE_SPECS",
+]
+
+_INT32_MAX = 2147483647
+_INT32_MIN = -2147483648
+
+# Row-range modes of the kernel (constexpr MODE).
+_MODE_STARTS_ENDS = 0  # prefill: [starts[r], ends[r])
+_MODE_SEQLEN_NEXTN = 1  # decode, 1-D seq_lens [B]: [0, seq_lens[r // n] - n + r % n + 1)
+_MODE_ROW_LENGTHS = 2  # decode, per-row lengths ([B, next_n] flattened, or persistent_topk): [0, lens[r])
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _f32_key(x):
+    """Order-preserving map fp32 -> int32 (signed compare of keys == float compare)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _emit_pass(src, stride_c, c_begin, c_end, lo, hi, gt_out, ck, ci, tie_out, need, tie_direct,
+               K: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """One pass over columns [c_begin, c_end) of a row: positions with key > hi -> gt_out[0..K),
+    window positions (lo <= key <= hi) -> scratch ck/ci[0..CAP) in position order, or, when
+    ``tie_direct``, -> tie_out[rank] while rank < need. Returns (#key > hi, #window).
+    One packed scan (gt in the low, window in the high 16 bits) and one sum per chunk."""
+    offs = tl.arange(0, CHUNK)
+    n_gt = tl.zeros([], dtype=tl.int32)
+    n_w = tl.zeros([], dtype=tl.int32)
+    idx0 = c_begin + offs
+    nxt = tl.load(src + idx0.to(tl.int64) * stride_c, mask=idx0 < c_end, other=0.0)
+    for c0 in range(c_begin, c_end, CHUNK):
+        cur = nxt
+        idx = c0 + offs
+        m = idx < c_end
+        # software prefetch of the next chunk (hides L2/HBM latency behind this chunk's work)
+        nidx = idx + CHUNK
+        nxt = tl.load(src + nidx.to(tl.int64) * stride_c, mask=nidx < c_end, other=0.0)
+        key = _f32_key(cur)
+        gt = m & (key > hi)
+        wn = m & (key >= lo) & (key <= hi)
+        packed = gt.to(tl.int32) | (wn.to(tl.int32) << 16)
+        incl = tl.cumsum(packed, 0)
+        tot = tl.sum(packed, 0)
+        pg = n_gt + (incl & 0xFFFF) - 1
+        pw = n_w + (incl >> 16) - 1
+        tl.store(gt_out + pg, idx, mask=gt & (pg < K))
+        tl.store(ck + pw, key, mask=wn & (pw < CAP) & (tie_direct == 0))
+        tl.store(ci + pw, idx, mask=wn & (pw < CAP) & (tie_direct == 0))
+        tl.store(tie_out + pw, idx, mask=wn & (pw < need) & (tie_direct != 0))
+        n_gt += tot & 0xFFFF
+        n_w += tot >> 16
+    return n_gt, n_w
+
+
+@triton.jit
+def _multisection(src, stride_c, L, lo, hi, n_gt, K: tl.constexpr, RCHUNK: tl.constexpr):
+    """Narrow [lo, hi] (count(>hi) < K <= count(>=lo)) 16-fold with one counting pass.
+    Returns (lo, hi, #key > hi, #lo <= key <= hi) of the new window."""
+    j = tl.arange(0, 16)
+    lo64 = lo.to(tl.int64)
+    step = (hi.to(tl.int64) - lo64) // 16 + 1
+    thr64 = lo64 + j.to(tl.int64) * step
+    thr = tl.minimum(thr64, 2147483647).to(tl.int32)
+    cnt = tl.zeros([16], dtype=tl.int32)
+    offs = tl.arange(0, RCHUNK)
+    for c0 in range(0, L, RCHUNK):
+        idx = c0 + offs
+        m = idx < L
+        key = _f32_key(tl.load(src + idx.to(tl.int64) * stride_c, mask=m, other=0.0))
+        ge = (key[:, None] >= thr[None, :]) & m[:, None]
+        cnt += tl.sum(ge.to(tl.int32), 0)
+    valid = (cnt >= K) & (thr64 <= hi.to(tl.int64))
+    jsel = tl.max(tl.where(valid, j, 0), 0)
+    new_lo = tl.max(tl.where(j == jsel, thr, -2147483648), 0)
+    # (a sum over the single matching lane: a max with a fill value would be wrong for negative keys)
+    nxt_ok = (jsel < 15) & (tl.sum(tl.where(j == jsel + 1, thr64, 0), 0) <= hi.to(tl.int64))
+    nxt_thr = tl.max(tl.where(j == jsel + 1, thr, -2147483648), 0)
+    cnt_sel = tl.max(tl.where(j == jsel, cnt, 0), 0)
+    cnt_nxt = tl.max(tl.where(j == jsel + 1, cnt, 0), 0)
+    new_hi = tl.where(nxt_ok, nxt_thr - 1, hi)
+    new_gt = tl.where(nxt_ok, cnt_nxt, n_gt)
+    new_w = cnt_sel - new_gt
+    return new_lo, new_hi, new_gt, new_w
+
+
+@triton.jit
+def _row_range(a_ptr, b_ptr, row, next_n, MODE: tl.constexpr):
+    if MODE == 0:
+        rs = tl.load(a_ptr + row)
+        re = tl.load(b_ptr + row)
+    elif MODE == 1:
+        sl = tl.load(a_ptr + row // next_n)
+        rs = sl * 0
+        re = sl - next_n + (row % next_n).to(tl.int32) + 1
+    else:
+        re = tl.load(a_ptr + row)
+        rs = re * 0
+    return rs, tl.maximum(re - rs, 0)
+
+
+@triton.jit
+def _to_u(key):
+    """signed order-preserving key -> uint32 with the same (unsigned) order"""
+    return key.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _from_u(ku):
+    return (ku ^ 0x80000000).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _radix_select_desc(ku, m, rank, top_shift, npass):
+    """Radix select on uint32 values ``ku`` (lanes with ``m``), 4 bits per pass from bit
+    ``top_shift + 3`` down, ``npass`` passes: returns (prefix, r) where ``prefix`` holds the
+    examined bits of the ``rank``-th largest value (0-based; lower bits zero) and ``r`` is its rank
+    among the lanes sharing that prefix. With every bit examined, ``prefix`` is the value itself and
+    ``r + 1`` of its ties are needed. Each pass: a 16-bin histogram of the masked digits."""
+    dig = tl.arange(0, 16)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    pmask = tl.zeros([], dtype=tl.uint32)
+    rr = rank
+    for p in range(0, npass):
+        shift = (tl.zeros([], dtype=tl.int32) + top_shift - 4 * p).to(tl.uint32)
+        d = ((ku >> shift) & 0xF).to(tl.int32)
+        match = m & ((ku & pmask) == prefix)
+        cnt = tl.histogram(d, 16, mask=match)  # warp ballots + one small shared-memory merge
+        above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)  # lanes with a larger digit
+        sel = (above <= rr) & (rr < above + cnt)
+        dsel = tl.sum(tl.where(sel, dig, 0), 0)
+        rr = rr - tl.sum(tl.where(sel, above, 0), 0)
+        prefix = prefix | (dsel.to(tl.uint32) << shift)
+        pmask = pmask | (tl.full([], 0xF, tl.uint32) << shift)
+    return prefix, rr
+
+
+@triton.jit
+def _resolve_store(keys, idx, m, base, need, n_passes, out):
+    """Write the ``need`` largest of (keys (uint32, relative to ``base``), idx) lanes ``m`` (in
+    position order: ties are taken lowest position first) to out[base + ...]."""
+    pref, rr = _radix_select_desc(keys, m, need - 1, 4 * n_passes - 4, n_passes)
+    above = m & (keys > pref)
+    eq = m & (keys == pref)
+    tie_rank = tl.cumsum(eq.to(tl.int32), 0)
+    sel = above | (eq & (tie_rank <= rr + 1))
+    opos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(out + opos, idx, mask=sel)
+
+
+@triton.jit
+def _topk_segment_kernel(
+    logits_ptr, stride_r, stride_c,
+    a_ptr, b_ptr, next_n,
+    out_ptr, stride_o,
+    seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
+    K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Pass 1 for rows longer than CAP, grid (rows, SPLIT): a window [lo, hi] from a pivot sample of
+    the whole row (every program of the row computes the same one), then one streaming pass over
+    this program's segment. SPLIT == 1 writes straight into the output / row scratch."""
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    rs, L = _row_range(a_ptr, b_ptr, row, next_n, MODE)
+    if L > CAP:
+        src = logits_ptr + row * stride_r + rs.to(tl.int64) * stride_c
+        js = tl.arange(0, S)
+        pos = (js.to(tl.int64) * L) // S
+        su = _to_u(_f32_key(tl.load(src + pos * stride_c)))
+        p = K / L.to(tl.float32)
+        e = S * p
+        mrg = ZSIGMA * tl.sqrt(e * (1.0 - p)) + 2.0
+        r_hi = tl.floor(e - mrg).to(tl.int32)
+        r_lo = tl.ceil(e + mrg).to(tl.int32)
+        all_s = js >= 0
+        # 20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
+        five = tl.full([], 5, tl.int32)
+        top = tl.full([], 28, tl.int32)
+        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, five)
+        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, five)
+        hi = tl.where(r_hi >= 0, _from_u(ph | 0xFFF), 2147483647)
+        lo = tl.where(r_lo < S, _from_u(pl), -2147483648)
+        hi = tl.maximum(hi, lo)
+        seg_len = tl.cdiv(L, SPLIT)
+        c_begin = tl.minimum(seg * seg_len, L)
+        c_end = tl.minimum(c_begin + seg_len, L)
+        if SPLIT == 1:
+            gt_base = out_ptr + row * stride_o
+            kb = cat_k_ptr + row * CAP
+            ib = cat_i_ptr + row * CAP
+        else:
+            gt_base = seg_gt_ptr + (row * SPLIT + seg) * K
+            kb = seg_k_ptr + (row * SPLIT + seg) * CAP
+            ib = seg_i_ptr + (row * SPLIT + seg) * CAP
+        zero = tl.zeros([], dtype=tl.int32)
+        n_gt, n_w = _emit_pass(src, stride_c, c_begin, c_end, lo, hi, gt_base, kb, ib, gt_base, zero, zero,
+                               K, CAP, CHUNK)
+        tl.store(cnt_ptr + (row * SPLIT + seg) * 2, n_gt)
+        tl.store(cnt_ptr + (row * SPLIT + seg) * 2 + 1, n_w)
+        if seg == 0:
+            tl.store(win_ptr + row * 2, lo)
+            tl.store(win_ptr + row * 2 + 1, hi)
+
+
+@triton.jit
+def _topk_merge_kernel(
+    logits_ptr, stride_r, stride_c,
+    a_ptr, b_ptr, next_n,
+    out_ptr, stride_o,
+    seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
+    K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+    RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
+):
+    """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
+    longer rows concatenate their segments (position order), check the window and resolve it; an
+    exact fallback over the whole row runs when the window missed the k-th value."""
+    row = tl.program_id(0).to(tl.int64)
+    rs, L = _row_range(a_ptr, b_ptr, row, next_n, MODE)
+    out = out_ptr + row * stride_o
+    src = logits_ptr + row * stride_r + rs.to(tl.int64) * stride_c
+    cj = tl.arange(0, CAP)
+    if L <= K:
+        fo = tl.arange(0, KFILL)
+        for f0 in range(0, K, KFILL):
+            i = f0 + fo
+            tl.store(out + i, tl.where(i < L, i, -1), mask=i < K)
+    elif L <= CAP:
+        cm = cj < L
+        ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
+        _resolve_store(ku, cj, cm, 0, K, tl.full([], 8, tl.int32), out)
+    else:
+        ck = cat_k_ptr + row * CAP
+        ci = cat_i_ptr + row * CAP
+        sj = tl.arange(0, SPLIT_P)
+        sm = sj < SPLIT
+        gts = tl.load(cnt_ptr + (row * SPLIT + sj) * 2, mask=sm, other=0)
+        ws = tl.load(cnt_ptr + (row * SPLIT + sj) * 2 + 1, mask=sm, other=0)
+        n_gt = tl.sum(gts, 0)
+        n_w = tl.sum(ws, 0)
+        lo = tl.load(win_ptr + row * 2)
+        hi = tl.load(win_ptr + row * 2 + 1)
+        ok = ((n_gt < K) & (n_gt + n_w >= K) & (n_w <= CAP)).to(tl.int32)
+        tie = tl.zeros([], dtype=tl.int32)
+        if ok != 0:
+            if SPLIT > 1:
+                # concatenate the segments: gt lists -> out, windows -> row scratch, position order.
+                # exclusive offsets go through the (per-row) count buffer, then each output slot
+                # finds its segment with SPLIT - 1 scalar compares.
+                tl.store(cnt_ptr + (row * SPLIT + sj) * 2, tl.cumsum(gts, 0) - gts, mask=sm)
+                tl.store(cnt_ptr + (row * SPLIT + sj) * 2 + 1, tl.cumsum(ws, 0) - ws, mask=sm)
+                tl.debug_barrier()
+                go = tl.arange(0, GCHUNK)
+                for f0 in range(0, n_gt, GCHUNK):
+                    i = f0 + go
+                    sidx = tl.zeros([GCHUNK], dtype=tl.int32)
+                    for sg in tl.static_range(1, SPLIT):
+                        sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2)).to(tl.int32)
+                    loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2, mask=i < n_gt, other=0)
+                    v = tl.load(seg_gt_ptr + (row * SPLIT + sidx) * K + loc, mask=i < n_gt)
+                    tl.store(out + i, v, mask=i < n_gt)
+                for f0 in range(0, n_w, GCHUNK):
+                    i = f0 + go
+                    sidx = tl.zeros([GCHUNK], dtype=tl.int32)
+                    for sg in tl.static_range(1, SPLIT):
+                        sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2 + 1)).to(tl.int32)
+                    loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2 + 1, mask=i < n_w, other=0)
+                    kv = tl.load(seg_k_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
+                    iv = tl.load(seg_i_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
+                    tl.store(ck + i, kv, mask=i < n_w)
+                    tl.store(ci + i, iv, mask=i < n_w)
+        else:
+            # ---- fallback: exact counts fix the window, multisection narrows it ---------------
+            if n_gt >= K:  # k-th value above the window
+                lo = hi + 1
+                hi = tl.full([], 2147483647, tl.int32)
+                n_w = n_gt
+                n_gt = n_gt * 0
+            elif n_gt + n_w < K:  # k-th value below the window
+                n_gt = n_gt + n_w
+                n_w = L - n_gt
+                hi = lo - 1
+                lo = tl.full([], -2147483648, tl.int32)
+            while (n_w > CAP) & (lo < hi):
+                lo, hi, n_gt, n_w = _multisection(src, stride_c, L, lo, hi, n_gt, K, RCHUNK)
+            tie = (n_w > CAP).to(tl.int32)  # only when lo == hi: every window element ties
+            n_gt2, n_w2 = _emit_pass(src, stride_c, 0, L, lo, hi, out, ck, ci, out + n_gt, K - n_gt, tie,
+                                     K, CAP, CHUNK)
+        if tie == 0:
+            # ---- resolve the window in registers (scratch is in position order) --------------
+            tl.debug_barrier()  # scratch written by other threads of this program
+            cm = cj < n_w
+            lo_u = _to_u(lo)
+            rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
+            width = _to_u(hi) - lo_u
+            npass = tl.full([], 1, tl.int32)
+            while (npass < 8) & ((width >> (4 * npass).to(tl.uint32)) != 0):
+                npass += 1
+            cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
+            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> dict:
+    """Constexprs and launch options for a top-``k`` over ``rows`` rows of at most ``max_seq_len``.
+
+    Picked from host-known sizes only (graph-safe). ``S`` (pivot sample) grows with the row so that
+    the expected window, ~ 2 * ZSIGMA * sqrt(k * L / S), stays well below ``CAP``. ``SPLIT``
+    programs share a row when there are too few rows to fill the GPU (segments of >= 8192).
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    cap = max(4096, 2 * triton.next_power_of_2(k))
+    z = 4.5
+    if max_seq_len <= 65536:
+        s = 2048
+    elif max_seq_len <= 262144:
+        s = 4096
+    else:
+        # > 256k (GLM-5.2's 1M): a larger sample and a narrower margin keep the window ~3.7k < CAP
+        # at 1M; the window then misses ~0.3% of rows per side, which take the exact fallback.
+        s = 8192
+        z = 3.0
+    big = cap > 4096
+    # power-of-two SPLIT (fewer distinct compiles): >= ~2 programs per SM, segments >= 8192
+    want = max(1, (2 * num_sms) // max(rows, 1))
+    split = 1
+    while split * 2 <= min(16, want, max(1, max_seq_len // 8192)):
+        split *= 2
+    # register budget (checked with cuobjdump, no spills on sm_90 / sm_120): CAP 4096 -> 8 warps,
+    # 2048-wide chunks; CAP 8192 (k > 2048) -> 16 warps, 1024-wide chunks.
+    return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024,
+                KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8)
+
+
+def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
+    sizes = {"seg_gt": rows * split * k if split > 1 else 1, "seg_k": rows * split * cap if split > 1 else 1,
+             "seg_i": rows * split * cap if split > 1 else 1, "cat_k": rows * cap, "cat_i": rows * cap,
+             "cnt": rows * split * 2, "win": rows * 2}
+    out, off = {}, 0
+    for name, n in sizes.items():
+        n = (n + 3) // 4 * 4  # 16-byte aligned sub-buffers
+        out[name] = (off, n)
+        off += n
+    out["total"] = off
+    return out
+
+
+def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits must be float32, got {logits.dtype}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [rows, cols], got shape {tuple(logits.shape)}")
+    if out.dtype != torch.int32:
+        raise TypeError(f"indices must be int32, got {out.dtype}")
+    if out.dim() != 2 or out.stride(1) != 1 or out.shape[1] < k:
+        raise ValueError(f"indices must be [rows, >= k] with contiguous rows, got {tuple(out.shape)}, "
+                         f"stride {out.stride()}")
+    for name, t in (("row starts/lengths", a), ("row ends", b)):
+        if t is not None and t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    rows = out.shape[0]
+    if rows == 0:
+        return out
+    sms = 8 if (logits.device.type != "cuda" or _interpret()) else _num_sms(logits.device.index or 0)
+    cfg = topk_config(k, max_seq_len, rows, sms)
+    cfg.update(overrides)
+    num_warps = cfg.pop("num_warps")
+    cap, split = cfg["CAP"], cfg["SPLIT"]
+    lay = _scratch_layout(rows, k, cap, split)
+    if scratch is None or scratch.numel() < lay["total"] or scratch.dtype != torch.int32:
+        scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
+    bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
+    b = b if b is not None else a
+    common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
+    if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
+        _topk_segment_kernel[(rows, split)](
+            *common, K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"], ZSIGMA=cfg["ZSIGMA"], SPLIT=split,
+            num_warps=num_warps,
+        )
+    _topk_merge_kernel[(rows,)](
+        *common, K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"], RCHUNK=cfg["RCHUNK"],
+        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], num_warps=num_warps,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def topk_rows(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None,
+              **overrides) -> torch.Tensor:
+    """Top-``k`` of ``logits[r, :lengths[r]]`` for every row (convenience entry)."""
+    lengths = lengths.reshape(-1)
+    if out is None:
+        out = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
+    if lengths.numel() != logits.shape[0]:
+        raise ValueError(f"lengths has {lengths.numel()} entries for {logits.shape[0]} rows")
+    return _launch(logits, lengths, None, out, 1, k, _MODE_ROW_LENGTHS, logits.shape[1], **overrides)
+
+
+def top_k_per_row_prefill(logits: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
+                          raw_topk_indices: torch.Tensor, num_rows: int, stride0: int, stride1: int,
+                          topk_tokens: int, **overrides) -> None:
+    """Drop-in for ``vllm._custom_ops.top_k_per_row_prefill``: row ``r`` ranges over columns
+    ``[cu_seqlen_ks[r], cu_seqlen_ke[r])``; indices are written relative to ``cu_seqlen_ks[r]``."""
+    lg = torch.as_strided(logits, (num_rows, logits.shape[1]), (stride0, stride1))
+    out = raw_topk_indices[:num_rows]
+    if cu_seqlen_ks.numel() < num_rows or cu_seqlen_ke.numel() < num_rows:
+        raise ValueError("cu_seqlen_ks / cu_seqlen_ke need one entry per row")
+    _launch(lg, cu_seqlen_ks, cu_seqlen_ke, out, 1, topk_tokens, _MODE_STARTS_ENDS, logits.shape[1],
+            **overrides)
+
+
+def top_k_per_row_decode(logits: torch.Tensor, next_n: int, seq_lens: torch.Tensor, raw_topk_indices: torch.Tensor,
+                         num_rows: int, stride0: int, stride1: int, topk_tokens: int, **overrides) -> None:
+    """Drop-in for ``vllm._custom_ops.top_k_per_row_decode``. ``seq_lens`` 1-D ``[B]``: row ``r``
+    covers ``[0, seq_lens[r // next_n] - next_n + r % next_n + 1)``; 2-D ``[B, next_n]``: row ``r``
+    covers ``[0, seq_lens.flatten()[r])`` (upstream's ``seqLensIs2D``)."""
+    lg = torch.as_strided(logits, (num_rows, logits.shape[1]), (stride0, stride1))
+    out = raw_topk_indices[:num_rows]
+    if seq_lens.dim() == 2:
+        lens = seq_lens.reshape(-1)
+        if lens.numel() < num_rows:
+            raise ValueError(f"2-D seq_lens has {lens.numel()} entries for {num_rows} rows")
+        _launch(lg, lens, None, out, 1, topk_tokens, _MODE_ROW_LENGTHS, logits.shape[1], **overrides)
+    elif seq_lens.dim() == 1:
+        if next_n < 1:
+            raise ValueError(f"next_n must be >= 1, got {next_n}")
+        _launch(lg, seq_lens, None, out, next_n, topk_tokens, _MODE_SEQLEN_NEXTN, logits.shape[1], **overrides)
+    else:
+        raise ValueError(f"seq_lens must be 1-D or 2-D, got {seq_lens.dim()}-D")
+
+
+def persistent_topk(logits: torch.Tensor, lengths: torch.Tensor, output: torch.Tensor,
+                    workspace: torch.Tensor | None, k: int, max_seq_len: int, **overrides) -> None:
+    """Drop-in for ``torch.ops._C.persistent_topk(logits, lengths, output, workspace, k,
+    max_seq_len)``: row ``r`` covers ``[0, lengths.flatten()[r])``. Any ``k`` is accepted (upstream:
+    512/1024/2048). ``workspace`` is used as the candidate scratch when it is int32-viewable and
+    holds the scratch (``_scratch_layout``; vLLM's 1 MiB buffer is too small for k = 2048 at
+    large batch, then a scratch is allocated, graph-safe)."""
+    lens = lengths.reshape(-1)
+    rows = logits.shape[0]
+    if lens.numel() != rows:
+        raise ValueError(f"lengths has {lens.numel()} entries for {rows} logits rows")
+    scratch = None
+    if workspace is not None and workspace.is_contiguous() and workspace.numel() * workspace.element_size() % 4 == 0:
+        scratch = workspace.view(torch.int32) if workspace.dtype != torch.int32 else workspace
+    _launch(logits, lens, None, output, 1, k, _MODE_ROW_LENGTHS, max(int(max_seq_len), logits.shape[1]),
+            scratch=scratch, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# References (PyTorch, documented tie rule: value descending, then position ascending)
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_topk_ref(vals: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k of one row under (value desc, position asc); result sorted by position, -1 padded."""
+    L = vals.numel()
+    res = torch.full((k,), -1, dtype=torch.int32)
+    if L <= 0:
+        return res
+    if L <= k:
+        res[:L] = torch.arange(L, dtype=torch.int32)
+        return res
+    v = vals.double().cpu()
+    order = torch.argsort(-v, stable=True)  # stable: equal values keep ascending position
+    sel = torch.sort(order[:k]).values
+    res[:] = sel.to(torch.int32)
+    return res
+
+
+def topk_rows_reference(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k positions (relative to ``starts``) of ``logits[r, starts[r]:ends[r]]``, sorted ascending."""
+    lg = logits.detach().float().cpu()
+    st = starts.reshape(-1).cpu().long()
+    en = ends.reshape(-1).cpu().long()
+    out = torch.full((lg.shape[0], k), -1, dtype=torch.int32)
+    for r in range(lg.shape[0]):
+        s, e = int(st[r]), int(en[r])
+        out[r] = _row_topk_ref(lg[r, s:max(e, s)], k)
+    return out
+
+
+def top_k_per_row_prefill_reference(logits, cu_seqlen_ks, cu_seqlen_ke, topk_tokens):
+    return topk_rows_reference(logits, cu_seqlen_ks, cu_seqlen_ke, topk_tokens)
+
+
+def top_k_per_row_decode_reference(logits, next_n, seq_lens, topk_tokens):
+    rows = logits.shape[0]
+    if seq_lens.dim() == 2:
+        ends = seq_lens.reshape(-1)[:rows].cpu().long()
+    else:
+        r = torch.arange(rows)
+        ends = seq_lens.cpu().long()[r // next_n] - next_n + (r % next_n) + 1
+    return topk_rows_reference(logits, torch.zeros_like(ends), ends, topk_tokens)
+
+
+def persistent_topk_reference(logits, lengths, k):
+    ends = lengths.reshape(-1).cpu().long()
+    return topk_rows_reference(logits, torch.zeros_like(ends), ends, k)
+
+
+def canonical(indices: torch.Tensor) -> torch.Tensor:
+    """Sort each row ascending with the -1 padding last (for comparing sets)."""
+    x = indices.detach().cpu().long().clone()
+    x[x < 0] = 1 << 40
+    x = torch.sort(x, dim=-1).values
+    x[x == (1 << 40)] = -1
+    return x.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# SM120 compile specs (tools/sm120_check.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def SM120_COMPILE_SPECS() -> list[dict]:
+    """Every configuration ``topk_config`` can choose (k in 512/1024/2048, the three S/CAP tiers,
+    SPLIT 1 and > 1, all row modes), for both kernels."""
+    common_sig = {
+        "logits_ptr": "*fp32", "stride_r": "i64", "stride_c": "i64", "a_ptr": "*i32", "b_ptr": "*i32",
+        "next_n": "i32", "out_ptr": "*i32", "stride_o": "i64", "seg_gt_ptr": "*i32", "seg_k_ptr": "*i32",
+        "seg_i_ptr": "*i32", "cat_k_ptr": "*i32", "cat_i_ptr": "*i32", "cnt_ptr": "*i32", "win_ptr": "*i32",
+    }
+    div16 = ["logits_ptr", "out_ptr", "seg_gt_ptr", "seg_k_ptr", "seg_i_ptr", "cat_k_ptr", "cat_i_ptr", "cnt_ptr",
+             "win_ptr"]
+    specs = []
+    # The three S tiers x SPLIT 1 / > 1 for both kernels at k = 2048 (GLM-5, DeepSeek-V3.2), plus the
+    # k = 512 tier-1 pair. The row modes only change two scalar loads at the top of the kernels; they
+    # rotate over the specs so that each one is compiled at least once (a full cross product takes
+    # ~10 s per spec on a CPU: the unrolled bitonic sorts dominate compile time).
+    combos = []
+    for t, max_len in enumerate((65536, 262144, 1 << 20)):
+        for j, split in enumerate((1, 16)):
+            combos.append((2048, max_len, split, (t + j) % 3))
+    combos.append((512, 65536, 1, _MODE_ROW_LENGTHS))
+    for k, max_len, split, mode in combos:
+        cfg = topk_config(k, max_len)
+        nw = cfg.pop("num_warps")
+        tag = f"k={k},S={cfg['S']},CAP={cfg['CAP']},split={split},mode={mode}"
+        specs.append({
+            "name": f"dsa_topk_segment[{tag}]", "fn": _topk_segment_kernel,
+            "signature": dict(common_sig, **{n: "constexpr" for n in
+                                             ("K", "MODE", "S", "CAP", "CHUNK", "ZSIGMA", "SPLIT")}),
+            "constexprs": {"K": k, "MODE": mode, "S": cfg["S"], "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
+                           "ZSIGMA": cfg["ZSIGMA"], "SPLIT": split},
+            "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
+        })
+        specs.append({
+            "name": f"dsa_topk_merge[{tag}]", "fn": _topk_merge_kernel,
+            "signature": dict(common_sig, **{n: "constexpr" for n in
+                                             ("K", "KFILL", "MODE", "CAP", "CHUNK", "RCHUNK", "SPLIT", "SPLIT_P",
+                                              "GCHUNK")}),
+            "constexprs": {"K": k, "KFILL": cfg["KFILL"], "MODE": mode, "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
+                           "RCHUNK": cfg["RCHUNK"], "SPLIT": split, "SPLIT_P": triton.next_power_of_2(split),
+                           "GCHUNK": cfg["GCHUNK"]},
+            "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
+        })
+    return specs

@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Exact per-row top-k (decode, prefill, persistent_topk entry) against the documented reference
+(value descending, position ascending) and ``torch.topk``. CPU: interpreter with small constexprs
+that exercise every path (short rows, pivot window, fallback, all-tied rows); GPU: k = 2048 at
+contexts up to 300k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# --- interpreter setup (standalone-safe; tests/kernels/conftest.py normally did this already) ----
+import os  # noqa: E402
+import sys  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "kernels"))
+if INTERPRET:  # triton 3.6 + numpy >= 2.3: runtime loop bounds need a squeezing __index__
+    from triton.runtime import interpreter as _interp
+
+    if not getattr(_interp._patch_lang_tensor, "_dsa_index_fix", False):
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patch_lang_tensor._dsa_index_fix = True
+        _interp._patch_lang_tensor = _patch_lang_tensor
+DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
+# ------------------------------------------------------------------------------------------------
+
+import triton_dsa_topk as T  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (not the interpreter)")
+
+# small constexprs for the interpreter: rows > CAP take the pivot-sample path
+SMALL = dict(S=64, CAP=128, CHUNK=64, RCHUNK=32, ZSIGMA=4.5, KFILL=16, SPLIT=1, GCHUNK=32, num_warps=4)
+K_SMALL = 16
+
+
+def _rows(kind: str, rows: int, n: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "randn":
+        return torch.randn(rows, n, generator=g)
+    if kind == "ties":  # tiny alphabet: massive ties at the k-th value
+        return torch.randint(0, 4, (rows, n), generator=g).float()
+    if kind == "zeros":
+        return torch.zeros(rows, n)
+    if kind == "increasing":  # recency-like: the top-k is the tail
+        return torch.arange(n).float().repeat(rows, 1)
+    if kind == "spikes":  # a block of huge values plus noise
+        x = torch.randn(rows, n, generator=g)
+        x[:, ::7] = 1000.0
+        return x
+    if kind == "negative":
+        return -torch.rand(rows, n, generator=g) - 1.0
+    if kind == "dups":  # repeated tokens: identical logits at many positions
+        base = torch.randn(rows, 37, generator=g)
+        return base.repeat(1, (n + 36) // 37)[:, :n].contiguous()
+    raise ValueError(kind)
+
+
+def _check(out, ref):
+    got = T.canonical(out)
+    assert torch.equal(got, ref), _first_diff(got, ref)
+
+
+def _first_diff(got, ref):
+    for r in range(got.shape[0]):
+        if not torch.equal(got[r], ref[r]):
+            return f"row {r}: got {got[r].tolist()[:24]} ref {ref[r].tolist()[:24]}"
+    return "?"
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "increasing", "spikes", "negative", "dups"])
+def test_persistent_topk_small(kind):
+    g = torch.Generator().manual_seed(sum(map(ord, kind)))  # stable across processes (not hash())
+    n = 700
+    lg = _rows(kind, 7, n, g)
+    lens = torch.tensor([0, 5, K_SMALL, K_SMALL + 1, 100, 500, 700], dtype=torch.int32)
+    out = torch.full((7, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # poison
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, n, **SMALL)
+    _check(out, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_fallback_paths_are_exact():
+    """A window that misses (negative ZSIGMA) forces the multisection fallback on every long row."""
+    g = torch.Generator().manual_seed(0)
+    for kind in ("randn", "ties", "spikes", "negative"):
+        lg = _rows(kind, 4, 900, g)
+        lens = torch.tensor([300, 600, 899, 900], dtype=torch.int32)
+        for z in (-30.0, 60.0):  # window above / far too wide
+            out = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 900, **dict(SMALL, ZSIGMA=z))
+            _check(out, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_matches_torch_topk_on_distinct_values():
+    g = torch.Generator().manual_seed(1)
+    lg = torch.randn(5, 600, generator=g)
+    lens = torch.tensor([600, 599, 300, 129, 17], dtype=torch.int32)
+    out = torch.empty(5, K_SMALL, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 600, **SMALL)
+    got = T.canonical(out)
+    for r in range(5):
+        tt = torch.topk(lg[r, : lens[r]], K_SMALL).indices
+        assert torch.equal(got[r], torch.sort(tt.int()).values)
+
+
+def test_ties_value_multiset_equals_torch_topk_and_lowest_index_wins():
+    lg = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0, 3.0, 3.0] * 40])
+    k = 4
+    out = torch.empty(1, k, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), torch.tensor([320], dtype=torch.int32, device=DEVICE), out, None, k, 320,
+                      **dict(SMALL, KFILL=4))
+    got = T.canonical(out)[0]
+    assert got.tolist() == [1, 2, 4, 6]  # the four lowest positions holding the max 3.0
+    assert torch.equal(torch.sort(lg[0][got.long()]).values, torch.sort(torch.topk(lg[0], k).values).values)
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3])
+def test_decode_1d_seq_lens(next_n):
+    g = torch.Generator().manual_seed(2)
+    B = 3
+    lg = torch.randn(B * next_n, 400, generator=g)
+    seq = torch.tensor([2, 150, 400], dtype=torch.int32)
+    out = torch.full((B * next_n, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_decode(lg.to(DEVICE), next_n, seq.to(DEVICE), out, B * next_n, lg.stride(0), 1, K_SMALL, **SMALL)
+    _check(out, T.top_k_per_row_decode_reference(lg, next_n, seq, K_SMALL))
+
+
+def test_decode_2d_seq_lens_and_strided_logits():
+    g = torch.Generator().manual_seed(3)
+    B, nn_ = 2, 2
+    big = torch.randn(B * nn_, 2 * 512, generator=g)
+    lg = big[:, :512]  # row stride 1024
+    seq = torch.tensor([[200, 201], [511, 512]], dtype=torch.int32)
+    out = torch.full((B * nn_, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_decode(big.to(DEVICE), nn_, seq.to(DEVICE), out, B * nn_, big.stride(0), 1, K_SMALL, **SMALL)
+    _check(out, T.top_k_per_row_decode_reference(lg, nn_, seq, K_SMALL))
+
+
+def test_prefill_rows_relative_to_start():
+    g = torch.Generator().manual_seed(4)
+    M, N = 6, 800
+    lg = torch.randn(M, N, generator=g)
+    ks = torch.tensor([0, 0, 0, 300, 300, 790], dtype=torch.int32)
+    ke = torch.tensor([1, 20, 300, 301, 800, 800], dtype=torch.int32)
+    out = torch.full((M, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_prefill(lg.to(DEVICE), ks.to(DEVICE), ke.to(DEVICE), out, M, lg.stride(0), 1, K_SMALL, **SMALL)
+    _check(out, T.top_k_per_row_prefill_reference(lg, ks, ke, K_SMALL))
+
+
+def test_bad_input_raises():
+    lg = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(TypeError):
+        T.persistent_topk(lg.double(), torch.ones(2, dtype=torch.int32, device=DEVICE),
+                          torch.empty(2, 8, dtype=torch.int32, device=DEVICE), None, 8, 64)
+    with pytest.raises(ValueError):
+        T.persistent_topk(lg, torch.ones(3, dtype=torch.int32, device=DEVICE),
+                          torch.empty(2, 8, dtype=torch.int32, device=DEVICE), None, 8, 64)
+    with pytest.raises(TypeError):
+        T.persistent_topk(lg, torch.ones(2, dtype=torch.int64, device=DEVICE),
+                          torch.empty(2, 8, dtype=torch.int32, device=DEVICE), None, 8, 64)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the real configuration (k = 2048, rows up to 300k)
+# ------------------------------------------------------------------------------------------------
+
+
+def _ref_gpu(lg, lens, k):
+    """Reference on the GPU: stable sort (value desc, position asc), first k, sorted by position."""
+    out = torch.full((lg.shape[0], k), -1, dtype=torch.int32)
+    for r in range(lg.shape[0]):
+        L = int(lens[r])
+        if L <= k:
+            out[r, :max(L, 0)] = torch.arange(max(L, 0), dtype=torch.int32)
+            continue
+        order = torch.sort(lg[r, :L], descending=True, stable=True).indices[:k]
+        out[r] = torch.sort(order).values.int().cpu()
+    return out
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["randn", "increasing", "dups", "ties"])
+@pytest.mark.parametrize("width", [4096, 32768, 131072, 300000])
+def test_gpu_persistent_topk_k2048(kind, width):
+    g = torch.Generator().manual_seed(width)
+    rows = 6
+    lg = _rows(kind, rows, width, g).cuda()
+    lens = torch.tensor([1, 2048, 2049, width // 3, width - 1, width], dtype=torch.int32, device="cuda")
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, width)
+    ref = _ref_gpu(lg, lens, 2048)
+    got = T.canonical(out)
+    assert torch.equal(got, ref), _first_diff(got, ref)
+    if kind == "randn":  # distinct values: identical sets to torch.topk
+        for r in range(rows):
+            L = int(lens[r])
+            if L > 2048:
+                tt = torch.sort(torch.topk(lg[r, :L], 2048).indices).values.int().cpu()
+                assert torch.equal(got[r], tt)
+
+
+@gpu
+@needs_gpu
+def test_gpu_decode_and_prefill_entries():
+    g = torch.Generator().manual_seed(9)
+    B, nn_, W = 8, 2, 40000
+    lg = torch.randn(B * nn_, W, generator=g).cuda()
+    seq = torch.randint(1, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
+    seq[0] = W
+    out = torch.empty(B * nn_, 2048, dtype=torch.int32, device="cuda")
+    T.top_k_per_row_decode(lg, nn_, seq, out, B * nn_, lg.stride(0), 1, 2048)
+    r = torch.arange(B * nn_)
+    lens = (seq.cpu().long()[r // nn_] - nn_ + (r % nn_) + 1).clamp(min=0)
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+    ks = torch.randint(0, 1000, (B * nn_,), generator=g, dtype=torch.int32).cuda()
+    ke = (ks + torch.randint(0, W - 1000, (B * nn_,), generator=g, dtype=torch.int32).cuda())
+    out2 = torch.empty(B * nn_, 2048, dtype=torch.int32, device="cuda")
+    T.top_k_per_row_prefill(lg, ks, ke, out2, B * nn_, lg.stride(0), 1, 2048)
+    assert torch.equal(T.canonical(out2), T.top_k_per_row_prefill_reference(lg.cpu(), ks.cpu(), ke.cpu(), 2048))
+
+
+@gpu
+@needs_gpu
+def test_gpu_cuda_graph_capture():
+    lg = torch.randn(4, 50000, device="cuda")
+    lens = torch.tensor([50000, 3000, 10, 40000], dtype=torch.int32, device="cuda")
+    out = torch.empty(4, 2048, dtype=torch.int32, device="cuda")
+    cfg = T.topk_config(2048, 50000, 4, torch.cuda.get_device_properties(0).multi_processor_count)
+    scratch = torch.empty(T._scratch_layout(4, 2048, cfg["CAP"], cfg["SPLIT"])["total"], dtype=torch.int32,
+                          device="cuda")
+    T.persistent_topk(lg, lens, out, scratch, 2048, 50000)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        T.persistent_topk(lg, lens, out, scratch, 2048, 50000)
+    lg.copy_(torch.randn_like(lg))
+    lens.copy_(torch.tensor([20000, 49999, 2049, 1], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "increasing", "spikes"])
+def test_split_rows_match_single_program(kind):
+    """SPLIT > 1 (several programs per row, merged in position order) gives the same output, in the
+    same order, as one program per row."""
+    g = torch.Generator().manual_seed(17)
+    lg = _rows(kind, 4, 900, g)
+    lens = torch.tensor([10, 300, 899, 900], dtype=torch.int32)
+    outs = []
+    for split in (1, 3):
+        out = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 900, **dict(SMALL, SPLIT=split))
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    _check(outs[1], T.persistent_topk_reference(lg, lens, K_SMALL))
+    z = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # forced fallback with split
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 900, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
+    _check(z, T.persistent_topk_reference(lg, lens, K_SMALL))
