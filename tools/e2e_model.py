@@ -229,6 +229,7 @@ GAINS: dict[str, float] = {
     "sal_embed": 0.7,      # salient tokens' extra component
     "idx_key": 2.0,        # indexer key: salient component vs random part (per-dim RMS units)
     "idx_query": 2.0,      # indexer query: constant component along the salient key direction
+    "idx_weight": 3.0,     # indexer head weights: constant positive part (vs the random part's ~1)
     "lat_key": 1.0,        # MLA latent: salient component vs random part
     "mla_salient": 10.0,   # attention-logit bonus of a salient key at layer 0 (~5 by layer 2)
 }
@@ -486,7 +487,7 @@ def _plant_salience(w: dict, cfg: dict[str, Any], seed: int, g: dict[str, float]
         wq += (g["idx_query"] * math.sqrt(idim)) * d[None, :, None] * r[None, None, :] / 0.7
         w[f"{a}.indexer.wq_b.weight"] = wq.reshape(ih * idim, -1).float()
         wp = w[f"{a}.indexer.weights_proj.weight"].double()
-        wp += (1.0 / x_mu) * torch.ones(ih, 1, dtype=torch.float64) * mu[None, :]
+        wp += (g["idx_weight"] / x_mu) * torch.ones(ih, 1, dtype=torch.float64) * mu[None, :]
         w[f"{a}.indexer.weights_proj.weight"] = wp.float()
         # ---- MLA: latent direction ell carries u; head h's query gets a constant component along
         # kappa_h = W_UK_h ell

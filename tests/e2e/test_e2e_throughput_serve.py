@@ -1,0 +1,192 @@
+"""tools/e2e_throughput.py (arithmetic, kernel classes, trace summary, merge) and
+tools/e2e_serve_check.py / tools/gpu-host-serve-deps.txt (response checks, deps list)."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import e2e_model as M
+import e2e_serve_check as S
+import e2e_throughput as T
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_model_arith_counts_glm5_parameters():
+    a = T.model_arith(M.build_config("glm5-6l"))
+    H, ql = 6144, 2048
+    attn = H * ql + ql * 64 * 256 + H * 576 + 512 * 64 * 448 + 64 * 256 * H + ql * 32 * 128
+    assert a["attn_fp8"] == attn == 173_408_256
+    assert a["dense_fp8"] == 3 * H * 12288 and a["expert_fp8"] == 3 * H * 2048
+    assert (a["n_dense"], a["n_moe"], a["E"], a["k"]) == (3, 3, 256, 8)
+
+
+def test_decode_floor_and_kv_tokens():
+    a = T.model_arith(M.build_config("glm5-6l"))
+    f1, f64 = T.decode_floor(a, "fp8_ds_mla", 1, 4096), T.decode_floor(a, "fp8_ds_mla", 64, 4096)
+    assert f1["experts_hit_per_moe_layer"] == pytest.approx(8.0)
+    assert 200 < f64["experts_hit_per_moe_layer"] < 256  # 64 x 8 picks of 256 cover most experts
+    assert f64["floor_ms"] > f1["floor_ms"] > 0
+    f32k = T.decode_floor(a, "fp8_ds_mla", 64, 32768)
+    # KV: indexer keys of every token (132 B) + the top-2048 latent rows (656 B), 6 layers
+    assert f32k["kv_bytes"] == 64 * 6 * (32768 * 132 + 2048 * 656)
+    assert T.decode_floor(a, "fp8", 64, 32768)["kv_bytes"] < f32k["kv_bytes"]
+    b = 24 * 2**30
+    t = {k: T.kv_tokens(k, 6, b) for k in ("auto", "fp8", "fp8_ds_mla")}
+    assert t["fp8"] > t["fp8_ds_mla"] > t["auto"] and t["fp8_ds_mla"] % 64 == 0
+    assert t["fp8_ds_mla"] == (b // (64 * 6 * 788)) * 64
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("_sparse_mla_fwd_kernel", "attention"), ("_sparse_mla_merge_kernel", "attention"),
+    ("_mla_kv_cache_write_kernel", "attention"), ("_paged_logits_kernel", "indexer"),
+    ("_ragged_logits_kernel", "indexer"), ("_topk_segment_kernel", "indexer"), ("_topk_merge_kernel", "indexer"),
+    ("_indexer_k_quant_cache_kernel", "indexer"), ("_cp_gather_kernel", "indexer"),
+    ("void flash::flash_fwd_splitkv_mla_fp8_sparse_kernel<...>", "attention"),
+    ("void deep_gemm::sm90_fp8_paged_mqa_logits<...>", "indexer"),
+    ("void vllm::concat_and_cache_ds_mla_kernel<...>", "attention"),
+    ("void vllm::top_k_per_row_decode<...>", "indexer"),
+    ("fused_moe_kernel", "rest"), ("void vllm::moe::grouped_topk_kernel<...>", "rest"),
+    ("void cutlass::device_kernel<...>", "rest"), ("rms_norm_kernel", "rest"),
+    ("_convert_req_index_to_global_index_kernel", "attention"),
+])
+def test_kernel_classes(name, cls):
+    assert T.classify(name) == cls
+
+
+def _trace(tmp_path, with_graph=True):
+    ev = []
+    for step in range(3):
+        corr = 100 + step
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": step * 1000, "dur": 5,
+                   "args": {"correlation": corr}})
+        for name, dur in (("_paged_logits_kernel", 30), ("_topk_segment_kernel", 10), ("_sparse_mla_fwd_kernel", 60),
+                          ("fused_moe_kernel", 100)):
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": step * 1000 + 10, "dur": dur,
+                       "args": {"correlation": corr if with_graph else 999}})
+    ev.append({"ph": "X", "cat": "kernel", "name": "prefill_only_kernel", "ts": 0, "dur": 5000, "args": {"correlation": 7}})
+    p = tmp_path / ("t.pt.trace.json.gz" if with_graph else "t.pt.trace.json")
+    data = json.dumps({"traceEvents": ev})
+    if with_graph:
+        with gzip.open(p, "wt") as f:
+            f.write(data)
+    else:
+        p.write_text(data)
+    return p
+
+
+def test_summarize_trace_counts_graph_kernels_per_step_and_layer(tmp_path):
+    s = T.summarize_trace([_trace(tmp_path)], layers=2)
+    assert s["graph_kernels_visible"] and s["decode_steps"] == 3
+    assert s["per_step_us"] == {"indexer": 40.0, "attention": 60.0, "rest": 100.0}
+    assert s["per_layer_us"]["attention"] == 30.0 and s["per_step_total_us"] == 200.0
+    assert s["top_kernels_us_per_step"]["indexer"][0] == ["_paged_logits_kernel", 30.0]
+    assert "prefill_only_kernel" not in json.dumps(s)
+
+
+def test_summarize_trace_without_graph_kernels_says_so(tmp_path):
+    s = T.summarize_trace([_trace(tmp_path, with_graph=False)], layers=2)
+    assert not s["graph_kernels_visible"] and s["decode_steps"] is None and s["note"]
+    assert s["window_total_us"]["rest"] == pytest.approx(5300.0)
+
+
+def test_plan_estimates_and_split_advice():
+    p4 = T.plan([4096], [64, 16, 1], T.DEFAULT_BACKENDS, 64, 2)
+    p32 = T.plan([32768], [64, 16, 1], T.DEFAULT_BACKENDS, 64, 2)
+    assert set(p4["per_engine"]) == set(T.DEFAULT_BACKENDS)
+    assert all(p32["per_engine"][b] > p4["per_engine"][b] for b in T.DEFAULT_BACKENDS)
+    assert p4["per_engine"]["flashmla_fp8_ds_mla"] > p4["per_engine"]["triton_fp8_ds_mla"]  # DeepGEMM JIT
+    assert p4["total_s"] < 540  # one call holds the 4k context for all three backends
+
+
+def test_merge_and_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    recs = []
+    for b, kv, tok in (("TRITON_MLA_SPARSE", "fp8_ds_mla", 900.0), ("FLASHMLA_SPARSE", "fp8_ds_mla", 1000.0)):
+        recs.append({"backend": b, "kv_cache_dtype": kv, "context": 4096, "batch": 16, "kind": "decode",
+                     "decode_tok_s": tok, "tpot_ms": 16000 / tok, "tpot_floor_ms": 5.0})
+        recs.append({"backend": b, "kv_cache_dtype": kv, "context": 4096, "batch": 1, "kind": "prefill",
+                     "prefill_tok_s": 1e5, "seconds": 0.04})
+    f1, f2 = tmp_path / "a.json", tmp_path / "b.json"
+    f1.write_text(json.dumps({"command": "a", "settings": {"contexts": [4096]}, "records": recs[:2],
+                              "engines": {"t": {"kv": {}}}}))
+    f2.write_text(json.dumps({"command": "b", "settings": {"contexts": [4096]}, "records": recs[2:], "engines": {}}))
+    assert T.main(["--merge", str(f1), str(f2)]) == 0
+    d = json.loads((tmp_path / "out" / "e2e_h200.json").read_text())
+    assert len(d["records"]) == 4 and len(d["merged_from"]) == 2
+    assert "0.9" in d["table"]  # ours / FLASHMLA decode tok/s
+    for r in d["records"]:
+        for k in ("backend", "kv_cache_dtype", "batch", "context"):
+            assert k in r
+
+
+def test_throughput_log_facts(tmp_path):
+    p = tmp_path / "log.txt"
+    p.write_text("Using FLASHMLA_SPARSE attention backend\nGPU KV cache size: 5,446,272 tokens\n"
+                 "Maximum concurrency for 32,960 tokens per request: 165.24x\n")
+    f = T.log_facts(p)
+    assert f == {"attention_backends_logged": ["FLASHMLA_SPARSE"], "kv_cache_tokens_logged": 5446272,
+                 "max_concurrency": "165.24"}
+
+
+# ---------------------------------------------------------------------------------------------
+# serve check
+# ---------------------------------------------------------------------------------------------
+
+GOOD = {"id": "chatcmpl-1", "object": "chat.completion", "model": S.SERVED_NAME,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "abc"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 18, "completion_tokens": 16, "total_tokens": 34}}
+
+
+def test_check_chat_accepts_a_good_answer_and_names_each_problem():
+    assert S.check_chat(GOOD, 16, 18) == []
+    assert S.check_chat(GOOD, 16, None) == []
+    bad = json.loads(json.dumps(GOOD))
+    bad["object"] = "x"
+    bad["choices"][0]["message"] = {"role": "user", "content": None}
+    bad["choices"][0]["finish_reason"] = "abort"
+    bad["usage"] = {"prompt_tokens": 0, "completion_tokens": 17}
+    probs = S.check_chat(bad, 16, 18)
+    assert len(probs) == 7, probs
+    assert S.check_chat("Internal Server Error", 16, None)[0].startswith("not a JSON object")
+
+
+def test_expected_chat_tokens_matches_the_template(micro_model):
+    pytest.importorskip("transformers")
+    n = S.expected_chat_tokens(micro_model, [{"role": "user", "content": "Hello! Who are you?"}])
+    tok = M.build_tokenizer(M.build_config("micro")["vocab_size"])
+    body = tok.encode("Hello! Who are you?").ids
+    assert n == 3 + 1 + len(body) + 1 + 1  # [gMASK] <sop> <|user|> \n body <|assistant|> \n
+    long = S.expected_chat_tokens(M.pathlib.Path(micro_model),
+                                  [{"role": "user", "content": S.LONG_WORDS * 12}])
+    assert long > M.build_config("tiny")["index_topk"]  # the long chat request runs the sparse path
+
+
+def test_serve_deps_file_is_minimal_and_pinned():
+    lines = [ln.strip() for ln in (REPO / "tools" / "gpu-host-serve-deps.txt").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    pins = dict(ln.split("==") for ln in lines)
+    assert set(pins) == {"uvicorn", "watchfiles", "prometheus-fastapi-instrumentator",
+                         "model-hosting-container-standards", "jmespath"}
+    assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values())
+    shared = REPO.parent / "shared" / "gpu-host" / "deps-py312.txt"
+    if shared.exists():
+        have = {ln.split("==")[0].lower() for ln in shared.read_text().splitlines() if "==" in ln}
+        assert not have & set(pins)
+    mods = {"uvicorn", "watchfiles", "prometheus_fastapi_instrumentator", "model_hosting_container_standards",
+            "jmespath"}
+    assert mods <= set(S.SERVER_MODULES)
+
+
+def test_server_modules_import_where_vllm_is_installed():
+    """In an environment with vLLM 0.26.0 and the serve deps (the GPU host after staging), the server
+    modules import; here it only runs where vLLM is installed."""
+    pytest.importorskip("vllm.entrypoints.openai.api_server", exc_type=ImportError)
+    import e2e_common as C
+
+    r = S.preflight(C.engine_env())
+    assert r.get("missing") == {}, r
