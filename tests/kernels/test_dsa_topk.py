@@ -250,20 +250,20 @@ def test_gpu_cuda_graph_capture():
     assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "increasing", "spikes"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "spikes"])
 def test_split_rows_match_single_program(kind):
     """SPLIT > 1 (several programs per row, merged in position order) gives the same output, in the
     same order, as one program per row."""
     g = torch.Generator().manual_seed(17)
-    lg = _rows(kind, 4, 900, g)
-    lens = torch.tensor([10, 300, 899, 900], dtype=torch.int32)
+    lg = _rows(kind, 4, 600, g)
+    lens = torch.tensor([10, 300, 599, 600], dtype=torch.int32)
     outs = []
     for split in (1, 3):
         out = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
-        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 900, **dict(SMALL, SPLIT=split))
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 600, **dict(SMALL, SPLIT=split))
         outs.append(out.cpu())
     assert torch.equal(outs[0], outs[1])
     _check(outs[1], T.persistent_topk_reference(lg, lens, K_SMALL))
     z = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # forced fallback with split
-    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 900, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 600, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
     _check(z, T.persistent_topk_reference(lg, lens, K_SMALL))
