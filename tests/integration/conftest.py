@@ -22,6 +22,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.triton_interpreter import _HAS_CUDA, INTERPRET  # noqa: E402  (sets TRITON_INTERPRET)
+
+if not _HAS_CUDA:
+    # vLLM disables Triton at import when no GPU driver is active, except in a distributed
+    # worker whose CUDA_VISIBLE_DEVICES is empty; claim that case so vLLM's own Triton kernels
+    # (index conversion) run in the interpreter next to ours. Must precede `import vllm`.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 GLM5_CONFIG = REPO.parent / "shared" / "models" / "glm-5" / "config.json"
 OVERLAY_BACKEND_MODULE = "vllm.v1.attention.backends.mla.triton_mla_sparse"
 

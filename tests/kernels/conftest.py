@@ -28,40 +28,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # `kernels` importable whatever the working directory
     sys.path.insert(0, _ROOT)
 
-_HAS_CUDA = False
-try:  # torch may be CPU-only
-    import torch
-
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # pragma: no cover - torch is a dependency of every kernel test
-    torch = None
-
-if os.environ.get("GLM5_FORCE_INTERPRET") == "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-elif "TRITON_INTERPRET" not in os.environ and not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _fix_old_interpreter_index() -> None:
-    try:
-        import triton.runtime.interpreter as interp
-    except Exception:  # pragma: no cover - triton missing: tests that need it fail on import
-        return
-    orig = getattr(interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_glm5_index_fix", False):
-        return
-
-    def _patch_lang_tensor(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _patch_lang_tensor._glm5_index_fix = True
-    interp._patch_lang_tensor = _patch_lang_tensor
-
-
-if INTERPRET:
-    _fix_old_interpreter_index()
+from tests.triton_interpreter import _HAS_CUDA, INTERPRET, torch  # noqa: E402  (sets TRITON_INTERPRET)
 
 
 def pytest_configure(config):

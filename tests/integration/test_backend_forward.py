@@ -1,0 +1,193 @@
+"""TRITON_MLA_SPARSE's impl, driven the way vLLM's MLA layer drives it, against a float64 reference.
+
+CPU: the Triton kernels (ours and vLLM's index conversion) run in the interpreter, so the query
+dtype is fp16 (the interpreter's bf16 tl.dot is broken; bf16 is covered by the GPU tests).
+What this checks is the glue: the cache write through `do_kv_cache_update`, request-local top-k
+positions turned into physical slots through the block table, the (W_UK-absorbed, rope) query
+tuple, -1 padding, duplicates, several requests and MTP-style multi-token decodes, the k_scale of
+the per-tensor fp8 format, and the LSE returned for decode context parallelism.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+LATENT, ROPE = 512, 64
+BLOCK_SIZE = 64
+TOPK = 128  # vLLM's index conversion tiles top-k by 128
+
+
+def _make_impl(kv_cache_dtype: str, num_heads: int, topk_buffer: torch.Tensor):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseImpl
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        impl = TritonMLASparseImpl(
+            num_heads=num_heads,
+            head_size=LATENT + ROPE,
+            scale=256**-0.5,
+            num_kv_heads=1,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            topk_indices_buffer=topk_buffer,
+            q_lora_rank=2048,
+            kv_lora_rank=LATENT,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=ROPE,
+            qk_head_dim=256,
+            v_head_dim=256,
+            kv_b_proj=None,
+        )
+    return impl
+
+
+def _cache(kv_cache_dtype: str, num_blocks: int) -> torch.Tensor:
+    if kv_cache_dtype == "fp8_ds_mla":
+        return torch.zeros(num_blocks, BLOCK_SIZE, 656, dtype=torch.uint8)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        # vLLM hands the layer an fp8 view of its byte allocation for this format.
+        return torch.zeros(num_blocks, BLOCK_SIZE, LATENT + ROPE, dtype=torch.float8_e4m3fn)
+    return torch.zeros(num_blocks, BLOCK_SIZE, LATENT + ROPE, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
+@pytest.mark.parametrize("num_heads", [8, 3])
+def test_forward_mqa_matches_reference(vllm_module, kv_cache_dtype, num_heads):
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
+    from vllm.v1.attention.ops.triton_mla_kv_cache import dequantize_mla_kv_cache
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq_lens = [150, 90, 40]  # request 1 decodes 2 tokens (MTP), the others one each
+    query_lens = [1, 2, 1]
+    num_blocks = 12
+    block_table = torch.full((3, 4), -1, dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    used = 0
+    for r, n in enumerate(seq_lens):
+        nb = -(-n // BLOCK_SIZE)
+        block_table[r, :nb] = perm[used : used + nb]
+        used += nb
+
+    # Write every context token through the impl, as the MLA layer does each step.
+    positions = [(r, p) for r, n in enumerate(seq_lens) for p in range(n)]
+    slots = torch.tensor(
+        [int(block_table[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for r, p in positions]
+        + [-1],  # a padded token: must be skipped
+        dtype=torch.int64,
+    )
+    kv_c = torch.randn(len(slots), LATENT, generator=g).half()
+    k_pe = torch.randn(len(slots), 1, ROPE, generator=g).half()
+    kv_cache = _cache(kv_cache_dtype, num_blocks)
+    k_scale = torch.tensor([0.37], dtype=torch.float32)
+    T = sum(query_lens)
+    topk_buffer = torch.full((T + 5, TOPK), -7, dtype=torch.int32)  # poisoned beyond T rows
+    impl = _make_impl(kv_cache_dtype, num_heads, topk_buffer)
+    impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, kv_cache_dtype, k_scale)
+
+    # Request-local top-k positions (what the indexer writes): a random causal subset,
+    # -1 padding, one duplicate.
+    req_of_token = [r for r, n in enumerate(query_lens) for _ in range(n)]
+    ctx_of_token = []
+    for r, n in enumerate(query_lens):
+        for j in range(n):
+            ctx_of_token.append(seq_lens[r] - n + j + 1)
+    for t, (r, ctx) in enumerate(zip(req_of_token, ctx_of_token)):
+        k = min(TOPK - 8, ctx)
+        pos = torch.randperm(ctx, generator=g)[:k].to(torch.int32)
+        row = torch.full((TOPK,), -1, dtype=torch.int32)
+        row[: pos.numel()] = pos
+        row[TOPK - 1] = pos[0]  # duplicate: counts twice
+        topk_buffer[t] = row
+
+    md = TritonMLASparseMetadata(
+        num_reqs=3,
+        max_query_len=2,
+        max_seq_len=max(seq_lens),
+        num_actual_tokens=T,
+        query_start_loc=torch.tensor([0, 1, 3, 4], dtype=torch.int32),
+        slot_mapping=torch.zeros(T, dtype=torch.int64),
+        block_table=block_table,
+        req_id_per_token=torch.tensor(req_of_token, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_decodes=3,
+        num_prefills=0,
+        num_decode_tokens=T,
+        block_size=BLOCK_SIZE,
+        topk_tokens=TOPK,
+    )
+    # The MLA layer passes (W_UK-absorbed latent query as a transposed bmm output, rope query).
+    ql_nope = torch.randn(num_heads, T, LATENT, generator=g).half().transpose(0, 1)
+    q_pe = torch.randn(T, num_heads, ROPE, generator=g).half()
+    layer = types.SimpleNamespace(_k_scale=k_scale, _k_scale_float=float(k_scale))
+    impl.need_to_return_lse_for_decode = True  # as under decode context parallelism
+    out, lse = impl.forward_mqa((ql_nope, q_pe), kv_cache, md, layer)
+
+    # float64 reference over the dequantized cache
+    deq = dequantize_mla_kv_cache(
+        kv_cache, "fp8" if kv_cache_dtype == "fp8" else kv_cache_dtype, k_scale,
+        rope_dtype=torch.float16,
+    ).double().reshape(-1, LATENT + ROPE)
+    q = torch.cat([ql_nope, q_pe], dim=-1).double()
+    ref_out = torch.empty(T, num_heads, LATENT, dtype=torch.float64)
+    ref_lse = torch.empty(T, num_heads, dtype=torch.float64)
+    for t, r in enumerate(req_of_token):
+        local = topk_buffer[t][topk_buffer[t] >= 0].long()
+        phys = block_table[r, local // BLOCK_SIZE].long() * BLOCK_SIZE + local % BLOCK_SIZE
+        kv = deq[phys]
+        s = (q[t] @ kv.T) * impl.scale
+        ref_lse[t] = torch.logsumexp(s, dim=-1)
+        ref_out[t] = torch.softmax(s, dim=-1) @ kv[:, :LATENT]
+
+    assert out.shape == (T, num_heads, LATENT) and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref_out).norm() / ref_out.norm()
+    assert err < 5e-3, f"relative error {err:.2e}"
+    assert lse is not None and lse.shape == (T, num_heads)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=2e-3)
+
+
+def test_rows_with_no_selected_token_give_zeros_and_minus_inf(vllm_module):
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
+
+    T, H = 2, 4
+    topk_buffer = torch.full((T, TOPK), -1, dtype=torch.int32)
+    topk_buffer[1, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    impl = _make_impl("fp8_ds_mla", H, topk_buffer)
+    kv_cache = _cache("fp8_ds_mla", 2)
+    impl.do_kv_cache_update(
+        torch.randn(3, LATENT).half(),
+        torch.randn(3, 1, ROPE).half(),
+        kv_cache,
+        torch.arange(3, dtype=torch.int64),
+        "fp8_ds_mla",
+        torch.ones(1),
+    )
+    md = TritonMLASparseMetadata(
+        num_reqs=2, max_query_len=1, max_seq_len=3, num_actual_tokens=T,
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        slot_mapping=torch.zeros(T, dtype=torch.int64),
+        block_table=torch.tensor([[0], [0]], dtype=torch.int32),
+        req_id_per_token=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 3], dtype=torch.int32),
+        num_decodes=2, num_prefills=0, num_decode_tokens=T,
+        block_size=BLOCK_SIZE, topk_tokens=TOPK,
+    )
+    impl.need_to_return_lse_for_decode = True
+    q = torch.randn(T, H, LATENT + ROPE).half()
+    layer = types.SimpleNamespace(_k_scale=torch.ones(1), _k_scale_float=1.0)
+    out, lse = impl.forward_mqa(q, kv_cache, md, layer)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_impl_rejects_unsupported_cache_dtype(vllm_module):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        _make_impl("fp8_e5m2", 4, torch.zeros(1, TOPK, dtype=torch.int32))
