@@ -390,10 +390,10 @@ def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
     return facts
 
 
-def greedy_params(n: int, **kw):
+def greedy_params(n: int, logprobs: int | None = 2, **kw):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2, detokenize=False, **kw)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs, detokenize=False, **kw)
 
 
 def greedy_outputs(outs) -> list[dict[str, Any]]:
@@ -496,8 +496,9 @@ def worker_vllm(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
             gi = [dict(p) for p in prompts["greedy"]]
             outs_all = []
             for grp in groups_by_capacity(gi, CAPACITY_TOKENS, extra=prompts["greedy_new"] + 8):
-                outs = llm.generate([tp(p["ids"]) for p in grp], greedy_params(prompts["greedy_new"]),
-                                    use_tqdm=False)
+                # MTP runs compare tokens only (the margins come from the non-speculative run)
+                gp = greedy_params(prompts["greedy_new"], logprobs=None if spec.get("mtp") else 2)
+                outs = llm.generate([tp(p["ids"]) for p in grp], gp, use_tqdm=False)
                 outs_all += greedy_outputs(outs)
             res["greedy"] = {p["id"]: o for p, o in zip(gi, outs_all)}
             if spec.get("mtp"):
@@ -760,7 +761,7 @@ def driver(a: argparse.Namespace) -> int:
     prompts_path = work / "prompts.json"
     ref_dir = work / "ref"
     jobs.append(mk_job("hf_reference", {"kind": "hf", "model": str(model_dir), "prompts": str(prompts_path),
-                                        "ref_dir": str(ref_dir)}, 240, 60))
+                                        "ref_dir": str(ref_dir), "device": a.hf_device}, 240, 60))
     for n in names:
         spec = {"kind": "vllm", "name": n, "model": str(model_dir), "prompts": str(prompts_path),
                 "ref_dir": str(ref_dir), "mode": a.mode, **ENGINES[n]}
@@ -841,6 +842,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-timeout-s", type=float, default=150.0)
     ap.add_argument("--quick", action="store_true", help="fewer prompts, no repeat (smoke test)")
     ap.add_argument("--list", action="store_true", help="list the engines and exit")
+    ap.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)  # cpu: plumbing test only
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.list:

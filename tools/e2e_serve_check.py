@@ -229,6 +229,8 @@ def main(argv=None) -> int:
         results["note"] = (f"chat_long prompt: {long_tokens} tokens (index_topk 256: sparse when > 256)"
                            if long_tokens else None)
         rc = 0 if results["pass"] else 1
+    except Exception:  # noqa: BLE001 - recorded by run.phase; summarised below
+        rc = 1
     finally:
         with run.phase("shutdown"):
             if proc is not None and proc.poll() is None:
