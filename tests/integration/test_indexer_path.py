@@ -1,0 +1,163 @@
+"""vLLM's sparse_attn_indexer op, patched to run on the Triton DSA kernels, against a reference.
+
+Drives the patched `vllm.model_executor.layers.sparse_attn_indexer.sparse_attn_indexer` the way
+the model does (indexer K written into the paged 132-B/token cache, a prefill chunk gathered and
+scored, decode rows scored over the paged cache with MTP-style per-token context lengths, top-k
+into the shared buffer), with `use_triton_indexer=True`: no DeepGEMM, no compiled vLLM op.
+
+The forward context and the workspace manager (both set up by vLLM's GPU worker) are stood in
+for; everything else is vLLM's code and ours, in the Triton interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+HEADS, HEAD_DIM, BLOCK = 32, 128, 64
+PREFIX = "model.layers.0.self_attn.indexer.k_cache"
+
+
+class _Workspace:
+    def get_simultaneous(self, *specs):
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+
+
+def _reference_logits(q_fp8, w, k_deq, ctx_start, ctx_end):
+    """logits[c] = sum_h w[h] * relu(q[h] . k[c]) for c in [ctx_start, ctx_end)."""
+    s = torch.relu(q_fp8.double() @ k_deq[ctx_start:ctx_end].double().T)  # [H, C]
+    return (w.double()[:, None] * s).sum(0)
+
+
+def _check_topk(selected, ref_logits, k):
+    """`selected` (request-local, -1 padded) is a valid top-k of `ref_logits` up to rounding."""
+    n = ref_logits.numel()
+    valid = selected[selected >= 0].long()
+    assert valid.numel() == min(k, n)
+    assert valid.unique().numel() == valid.numel(), "duplicate index in top-k"
+    assert (valid < n).all()
+    assert (selected[valid.numel():] == -1).all(), "valid indices must come first"
+    if valid.numel() < n:
+        kth = ref_logits.topk(valid.numel()).values[-1]
+        tol = 1e-4 * ref_logits.abs().max() + 1e-6
+        assert ref_logits[valid].min() >= kth - tol
+
+
+@pytest.mark.parametrize("topk", [64])
+def test_prefill_and_decode_through_triton_indexer(vllm_module, monkeypatch, topk):
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadata,
+        DeepseekV32IndexerPrefillChunkMetadata,
+        DeepseekV32IndexerPrefillMetadata,
+        DeepSeekV32IndexerDecodeMetadata,
+    )
+    from vllm.v1.attention.ops.triton_dsa_indexer import dequant_indexer_k_cache
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # Request 0 decodes 2 tokens (MTP) at context 130; request 1 prefills 40 new tokens on top
+    # of 50 cached ones (chunked prefill); rows with fewer than topk context tokens pad with -1.
+    # (Small: the interpreter runs every kernel on the CPU.)
+    dec_ctx, pre_ctx, pre_new = 130, 90, 40
+    num_blocks = 10
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    block_table = torch.full((2, 4), 0, dtype=torch.int32)
+    block_table[0, :4] = perm[:4]
+    block_table[1, :3] = perm[4:7]
+    kv_cache = torch.zeros(num_blocks, BLOCK, HEAD_DIM + 4, dtype=torch.uint8)
+
+    def slot(r, p):
+        return int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK
+
+    # Tokens of this step: 2 decode tokens of request 0, then the prefill of request 1.
+    # Earlier tokens are written first (as earlier steps did), with the Triton writer.
+    from vllm.v1.attention.ops import triton_dsa_indexer
+
+    k_all = {r: torch.randn(n, HEAD_DIM, generator=g).bfloat16() for r, n in ((0, dec_ctx), (1, pre_ctx))}
+    hist = [(0, p) for p in range(dec_ctx - 2)] + [(1, p) for p in range(pre_ctx - pre_new)]
+    triton_dsa_indexer.indexer_k_quant_and_cache(
+        torch.stack([k_all[r][p] for r, p in hist]),
+        kv_cache,
+        torch.tensor([slot(r, p) for r, p in hist], dtype=torch.int64),
+        128,
+        "ue8m0",
+    )
+    step = [(0, dec_ctx - 2), (0, dec_ctx - 1)] + [(1, p) for p in range(pre_ctx - pre_new, pre_ctx)]
+    T = len(step)
+    k_step = torch.stack([k_all[r][p] for r, p in step])
+    slot_mapping = torch.tensor([slot(r, p) for r, p in step], dtype=torch.int64)
+    q = (torch.randn(T, HEADS, HEAD_DIM, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.randn(T, HEADS, generator=g) * 0.1
+
+    # Prefill chunk: rows of request 1 see [ks, ke) of the gathered K of that request.
+    cu_seq_lens = torch.tensor([0, pre_ctx], dtype=torch.int32)
+    first = pre_ctx - pre_new
+    ks = torch.zeros(pre_new, dtype=torch.int32)
+    ke = torch.arange(first + 1, pre_ctx + 1, dtype=torch.int32)
+    chunk = DeepseekV32IndexerPrefillChunkMetadata(
+        block_table=block_table[1:2],
+        cu_seqlen_ks=ks,
+        cu_seqlen_ke=ke,
+        cu_seq_lens=cu_seq_lens,
+        token_to_seq=torch.zeros(pre_new, dtype=torch.int32),
+        total_seq_lens=pre_ctx,
+        token_start=2,
+        token_end=T,
+        num_reqs=1,
+        local_cu_seq_lens=cu_seq_lens,
+        local_total_seq_lens=pre_ctx,
+        max_local_total_seq_lens=pre_ctx,
+    )
+    decode = DeepSeekV32IndexerDecodeMetadata(
+        block_table=block_table[0:1],
+        seq_lens=torch.tensor([[dec_ctx - 1, dec_ctx]], dtype=torch.int32),
+        decode_lens=torch.tensor([2], dtype=torch.int32),
+        requires_padding=False,
+        schedule_metadata=torch.empty(0),
+    )
+    md = DeepseekV32IndexerMetadata(
+        seq_lens=torch.tensor([dec_ctx, pre_ctx], dtype=torch.int32),
+        max_seq_len=dec_ctx,
+        slot_mapping=slot_mapping,
+        num_decodes=1,
+        num_decode_tokens=2,
+        num_prefills=1,
+        num_prefill_tokens=pre_new,
+        decode=decode,
+        prefill=DeepseekV32IndexerPrefillMetadata(chunks=[chunk]),
+    )
+    monkeypatch.setattr(
+        sai, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={PREFIX: md})
+    )
+    monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
+    buffer = torch.full((T + 4, topk), -7, dtype=torch.int32)
+
+    sai.sparse_attn_indexer(
+        torch.empty(T, 16),  # hidden_states: only its length is read
+        PREFIX,
+        kv_cache,
+        q,
+        None,
+        k_step,
+        weights,
+        128,
+        "ue8m0",
+        topk,
+        HEAD_DIM,
+        4096,  # max_model_len
+        4096,  # total_seq_lens (prefill workspace rows)
+        buffer,
+        False,  # skip_k_cache_insert
+        False,  # use_pcp
+        use_triton_indexer=True,
+    )
+
+    vals, scales = dequant_indexer_k_cache(kv_cache)
+    deq = vals * scales.repeat_interleave(HEAD_DIM // scales.shape[-1], dim=-1)
+    k_deq = {r: deq[block_table[r].long()].reshape(-1, HEAD_DIM) for r in (0, 1)}
+    for t, (r, p) in enumerate(step):
+        ref = _reference_logits(q[t].float(), weights[t], k_deq[r], 0, p + 1)
+        _check_topk(buffer[t], ref, topk)
+    assert (buffer[T:] == -7).all(), "rows past the step's tokens must be left alone"
