@@ -451,7 +451,7 @@ def worker_vllm(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
                 ids, lps = find_capture(store, p["ids"])
                 lp = dense_logprobs(ids, lps, V)
                 ref = torch.load(ref_dir / f"{p['id']}.pt")
-                m = position_metrics(ref.cuda(), lp.cuda())
+                m = position_metrics(ref, lp)  # on the CPU: the frontend process never touches the GPU
                 tgt = torch.as_tensor(p["ids"][1:]).long()
                 d = (ref.gather(1, tgt[:, None]) - lp.gather(1, tgt[:, None])).abs()[:, 0]
                 for key in ("kl", "top1", "gap"):
