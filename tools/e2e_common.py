@@ -287,6 +287,36 @@ def worker_wait_for_go(jobdir: pathlib.Path, poll_s: float = 0.2) -> None:
         sys.exit(3)
 
 
+def gpu_used_mib() -> list[int] | None:
+    """Memory in use per GPU from nvidia-smi (None without it). Never initialises CUDA here: a CUDA
+    context in vLLM's frontend process would make vLLM spawn its engine core instead of forking."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    try:
+        return [int(x) for x in out.stdout.split()]
+    except ValueError:
+        return None
+
+
+def wait_gpu_idle(max_used_mib: int = 4096, timeout_s: float = 60.0, log=print) -> dict[str, Any]:
+    """Wait until the previous engine's memory is released (vLLM checks at start that
+    gpu_memory_utilization x total is free)."""
+    t0 = time.time()
+    used = gpu_used_mib()
+    while used is not None and max(used) > max_used_mib and time.time() - t0 < timeout_s:
+        time.sleep(1.0)
+        used = gpu_used_mib()
+    waited = round(time.time() - t0, 1)
+    if used is not None and max(used) > max_used_mib:
+        log(f"GPU still has {used} MiB in use after {waited} s; going on")
+    return {"used_mib": used, "waited_s": waited}
+
+
 def tail(path: pathlib.Path, n_chars: int) -> str:
     try:
         data = pathlib.Path(path).read_bytes()

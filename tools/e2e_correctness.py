@@ -429,6 +429,7 @@ def worker_vllm(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
     ref_dir = pathlib.Path(spec["ref_dir"])
     kw = engine_kwargs(spec, cfg)
     res["engine_kwargs"] = kw
+    res["gpu_before"] = C.wait_gpu_idle(log=run.log)
     with run.phase("engine_init", fatal=True):
         llm = LLM(**kw)
     res["log_facts"] = log_facts(jobdir / "log.txt")

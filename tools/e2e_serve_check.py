@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     try:
         with run.phase("start", fatal=True):
             run.log("server: " + results["server_command"])
+            results["gpu_before"] = C.wait_gpu_idle(log=run.log)
             logf = open(log_path, "wb")
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             logf.close()

@@ -247,7 +247,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         attention_backend=spec["backend"], kv_cache_dtype=spec["kv"],
         max_model_len=max(contexts) + N + 128, max_num_seqs=nb, max_num_batched_tokens=spec["chunk"],
         enable_prefix_caching=True, kv_cache_memory_bytes=int(spec["kv_gib"] * 2**30),
-        gpu_memory_utilization=0.92, disable_log_stats=True,
+        gpu_memory_utilization=0.8, disable_log_stats=True,
         profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
                          "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False,
                          "torch_profiler_use_gzip": True, "ignore_frontend": True,
@@ -261,6 +261,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                     "cudagraph_capture_sizes": sorted(set(batches) | {1, 2, 4, 8})}
     res["engine_kwargs"] = kw
+    res["gpu_before"] = C.wait_gpu_idle(log=run.log)
     with run.phase("engine_init", fatal=True):
         t = time.time()
         llm = LLM(**kw)

@@ -407,3 +407,24 @@ def test_worker_hf_on_cpu_with_the_micro_model(micro_model, tmp_path):
     assert 0.0 < rec["mean_kl"] < 1.0 and len(res["greedy"]["G0"]["tokens"]) == 4
     with np.load(jd / "positions.npz") as f:
         assert f["kl"].shape == (75,) and set(np.unique(f["pid"])) == {0, 1, 2}
+
+
+def test_wait_gpu_idle_polls_nvidia_smi_and_gives_up(monkeypatch):
+    import subprocess
+    import types
+
+    seq = iter(["70000\n", "50000\n", "1200\n"])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=next(seq)))
+    monkeypatch.setattr(C.time, "sleep", lambda s: None)
+    r = C.wait_gpu_idle(max_used_mib=4096, timeout_s=60, log=lambda *_: None)
+    assert r["used_mib"] == [1200]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout="90000\n"))
+    msgs = []
+    r = C.wait_gpu_idle(max_used_mib=4096, timeout_s=0.0, log=msgs.append)
+    assert r["used_mib"] == [90000] and msgs
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert C.gpu_used_mib() is None and C.wait_gpu_idle(log=lambda *_: None)["used_mib"] is None
