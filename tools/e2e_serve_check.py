@@ -127,7 +127,23 @@ def check_chat(resp: Any, max_tokens: int, expect_prompt: int | None) -> list[st
     return problems
 
 
-def main(argv=None) -> int:
+def server_args(model_dir: pathlib.Path, a: argparse.Namespace) -> list[str]:
+    """The arguments after `vllm serve` (the README recipe uses the same flags)."""
+    args = [str(model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(a.port),
+            "--attention-backend", a.backend, "--kv-cache-dtype", a.kv_cache_dtype,
+            "--max-model-len", "4160", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3",
+            "--kv-cache-memory-bytes", str(2 * 2**30)]
+    if a.eager:
+        args += ["--enforce-eager"]
+    else:
+        args += ["-cc", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": [1, 2, 4, 8]})]
+    if a.backend == "FLASHMLA_SPARSE":
+        args += ["--attention-config", json.dumps({"sparse_mla_force_mqa": True})]
+    return args + shlex.split(a.extra)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: build/reuse $E2E_WORK/glm5-tiny)")
     ap.add_argument("--backend", default="TRITON_MLA_SPARSE")
@@ -136,7 +152,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="--enforce-eager instead of decode CUDA graphs")
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
     ap.add_argument("--extra", default="", help="extra server arguments (one string, shell-split)")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     import e2e_model as M
 
     out, work = C.out_dir(), C.work_dir()
@@ -156,16 +176,7 @@ def main(argv=None) -> int:
         if not a.model and not M.model_is_current(model_dir, "tiny", 0):
             M.write_model(model_dir, "tiny", 0, log=run.log)
     log_path = work / "serve_log.txt"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(a.port),
-           "--attention-backend", a.backend, "--kv-cache-dtype", a.kv_cache_dtype,
-           "--max-model-len", "4160", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3",
-           "--kv-cache-memory-bytes", str(2 * 2**30)]
-    cmd += ["--enforce-eager"] if a.eager else ["-cc", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                                                  "cudagraph_capture_sizes": [1, 2, 4, 8]})]
-    if a.backend == "FLASHMLA_SPARSE":
-        cmd += ["--attention-config", json.dumps({"sparse_mla_force_mqa": True})]
-    cmd += shlex.split(a.extra)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *server_args(model_dir, a)]
     results["server_command"] = " ".join(shlex.quote(x) for x in cmd)
     base = f"http://127.0.0.1:{a.port}"
     proc = None

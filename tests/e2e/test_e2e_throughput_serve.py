@@ -190,3 +190,28 @@ def test_server_modules_import_where_vllm_is_installed():
 
     r = S.preflight(C.engine_env())
     assert r.get("missing") == {}, r
+
+
+def test_vllm_serve_parser_accepts_the_server_flags(tmp_path, monkeypatch):
+    """vLLM 0.26.0's own `serve` argument parser takes the flags the serve check passes (stock vLLM
+    does not know TRITON_MLA_SPARSE, so the yardstick backend stands in for the name)."""
+    pytest.importorskip("vllm.entrypoints.openai.cli_args", exc_type=ImportError)
+    import vllm.platforms as pl
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if not getattr(pl.current_platform, "device_type", ""):
+        # CPU-only machine: the config defaults need a device name
+        monkeypatch.setattr(pl.current_platform, "device_type", "cpu", raising=False)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for eager in (False, True):
+        a = S.parse_args(["--backend", "FLASHMLA_SPARSE", "--port", "9001"] + (["--eager"] if eager else []))
+        args = parser.parse_args(S.server_args(tmp_path, a))
+        assert args.kv_cache_memory_bytes == 2 * 2**30 and args.served_model_name == [S.SERVED_NAME]
+        assert args.kv_cache_dtype == "fp8_ds_mla" and args.port == 9001 and args.max_model_len == 4160
+        assert str(args.attention_backend).endswith("FLASHMLA_SPARSE")
+        assert args.attention_config.sparse_mla_force_mqa is True
+        if eager:
+            assert args.enforce_eager
+        else:
+            assert args.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
