@@ -34,6 +34,7 @@ import torch
 
 from vllm.config.cache import CacheDType
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import sparse_mla_attention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
@@ -60,6 +61,17 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 BACKEND_NAME = "TRITON_MLA_SPARSE"
+
+# Where the pins differ (0.26.0 vs 0.33.0), the shared sparse-MLA base classes tell which
+# side this tree is on:
+# - 0.33.0 has SparseMLACommonMetadata and SparseMLACommonImpl.forward_mqa, which turns the
+#   indexer's request-local top-k into physical rows of a flat row view of the cache (DCP and
+#   HiSparse included) and calls _forward_mqa_kernel; 0.26.0 has neither, so forward_mqa is ours.
+# - 0.33.0 writes fp8_ds_mla tile scales as powers of two, 0.26.0 as plain amax / 448 (both
+#   read from the release wheels' writers); our cache writer follows the pin.
+_COMMON_SPARSE_METADATA = getattr(sparse_mla_attention, "SparseMLACommonMetadata", None)
+_BASE_CONVERTS_TOPK = hasattr(SparseMLACommonImpl, "_forward_mqa_kernel")
+_DS_SCALE_FORMAT = "pow2_fp32" if _BASE_CONVERTS_TOPK else "arbitrary_fp32"
 
 # Latent (kv_lora_rank) and rope widths of DeepSeek-V3.2-style MLA; GLM-5 uses
 # the same 512 + 64 whatever its qk_nope_head_dim (192): the absorbed decode
@@ -98,11 +110,19 @@ class TritonMLASparseBackend(AttentionBackend):
     ]
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        # The kernels address a token as base + slot * bytes_per_token, so any
-        # page size works; 64 is what the DSA indexer cache (same scheduler
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # The kernels address a token through the cache's block and token strides,
+        # so any page size works; 64 is what the DSA indexer cache (same scheduler
         # block) requires on CUDA.
         return [64]
+
+    @classmethod
+    def customize_spec(cls, spec):
+        # (0.33.0) The base class reads the cache as flat rows, so blocks must be a
+        # whole number of rows apart.
+        from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows
+
+        return align_blocks_to_rows(spec)
 
     @staticmethod
     def get_name() -> str:
@@ -183,30 +203,37 @@ class TritonMLASparseBackend(AttentionBackend):
         return (num_blocks, block_size, head_size)
 
 
-@dataclass
-class TritonMLASparseMetadata(AttentionMetadata):
-    num_reqs: int
-    max_query_len: int
-    max_seq_len: int
-    num_actual_tokens: int
+if _COMMON_SPARSE_METADATA is not None:
 
-    query_start_loc: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    # Request index of every query token: turns the indexer's request-local
-    # top-k positions into physical cache slots.
-    req_id_per_token: torch.Tensor
+    class TritonMLASparseMetadata(_COMMON_SPARSE_METADATA):  # type: ignore[misc,valid-type]
+        """0.33.0: the shared sparse-MLA metadata carries everything the kernel needs."""
 
-    seq_lens: torch.Tensor
-    num_decodes: int
-    num_prefills: int
-    num_decode_tokens: int
-    prefill_max_seq_len: int = 0
-    prefill: MLACommonPrefillMetadata | None = None
+else:
 
-    block_size: int = 64
-    topk_tokens: int = 2048
-    cp_kv_cache_interleave_size: int = 1
+    @dataclass
+    class TritonMLASparseMetadata(AttentionMetadata):
+        num_reqs: int
+        max_query_len: int
+        max_seq_len: int
+        num_actual_tokens: int
+
+        query_start_loc: torch.Tensor
+        slot_mapping: torch.Tensor
+        block_table: torch.Tensor
+        # Request index of every query token: turns the indexer's request-local
+        # top-k positions into physical cache slots.
+        req_id_per_token: torch.Tensor
+
+        seq_lens: torch.Tensor
+        num_decodes: int
+        num_prefills: int
+        num_decode_tokens: int
+        prefill_max_seq_len: int = 0
+        prefill: MLACommonPrefillMetadata | None = None
+
+        block_size: int = 64
+        topk_tokens: int = 2048
+        cp_kv_cache_interleave_size: int = 1
 
 
 class TritonMLASparseMetadataBuilder(
@@ -298,6 +325,7 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,
     ) -> None:
         if kv_cache.numel() == 0:
             return
@@ -309,39 +337,16 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             kv_cache,
             slot_mapping.flatten(),
             kv_format_of(kv_cache_dtype),
-            k_scale=k_scale,
+            # (0.33.0) skip_scale: store fp8 values unscaled (k_scale is 1.0 then)
+            k_scale=None if skip_scale else k_scale,
+            ds_scale_format=_DS_SCALE_FORMAT,
         )
 
-    def _physical_topk_indices(
-        self, topk_indices: torch.Tensor, attn_metadata: TritonMLASparseMetadata
-    ) -> torch.Tensor:
-        num_tokens = topk_indices.shape[0]
-        if self.dcp_world_size > 1:
-            indices, _ = triton_filter_and_convert_dcp_index(
-                attn_metadata.req_id_per_token[:num_tokens],
-                attn_metadata.block_table,
-                topk_indices,
-                dcp_size=self.dcp_world_size,
-                dcp_rank=self.dcp_rank,
-                cp_kv_cache_interleave_size=attn_metadata.cp_kv_cache_interleave_size,
-                BLOCK_SIZE=attn_metadata.block_size,
-                NUM_TOPK_TOKENS=topk_indices.shape[1],
-                return_valid_counts=True,
-            )
-            return indices
-        return triton_convert_req_index_to_global_index(
-            attn_metadata.req_id_per_token[:num_tokens],
-            attn_metadata.block_table,
-            topk_indices,
-            BLOCK_SIZE=attn_metadata.block_size,
-            NUM_TOPK_TOKENS=topk_indices.shape[1],
-        )
-
-    def forward_mqa(
+    def _run_kernel(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: TritonMLASparseMetadata,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_decode
@@ -350,20 +355,70 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             # (W_UK-absorbed latent query [T, H, 512], rope query [T, H, 64]);
             # T * H * 1152 bytes, small next to the KV the kernel streams.
             q = torch.cat(q, dim=-1)
-        num_tokens = q.shape[0]
-        assert self.topk_indices_buffer is not None
-        topk_indices = self.topk_indices_buffer[:num_tokens]
-        indices = self._physical_topk_indices(topk_indices, attn_metadata)
-
         out, lse = sparse_mla_decode(
             q,
-            kv_c_and_k_pe_cache,
+            kv_cache,
             indices,
             self.scale,
             self.kv_format,
             k_scale=layer._k_scale if self.kv_format == "fp8" else None,
         )
         return out, (lse if self.need_to_return_lse_for_decode else None)
+
+    if _BASE_CONVERTS_TOPK:
+        # 0.33.0: SparseMLACommonImpl.forward_mqa converts the top-k (incl. DCP and
+        # HiSparse) into rows of flat_kv_row_view(kv_cache) and calls this.
+        def _forward_mqa_kernel(
+            self,
+            q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+            kv_cache: torch.Tensor,
+            topk_indices: torch.Tensor,
+            valid_counts: torch.Tensor,
+            *,
+            layer: AttentionLayer,
+            block_size: int,
+            is_decode: bool,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            from vllm.v1.attention.backends.mla.sparse_utils import flat_kv_row_view
+
+            rows, _ = flat_kv_row_view(kv_cache, block_size)
+            # [num_rows, 1, W]: one row per "block", so slot == row index.
+            return self._run_kernel(q, rows.unsqueeze(1), topk_indices, layer)
+
+    else:
+        # 0.26.0: the impl converts the indexer's request-local positions itself.
+        def forward_mqa(
+            self,
+            q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+            kv_c_and_k_pe_cache: torch.Tensor,
+            attn_metadata: TritonMLASparseMetadata,
+            layer: AttentionLayer,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            num_tokens = q[0].shape[0] if isinstance(q, tuple) else q.shape[0]
+            assert self.topk_indices_buffer is not None
+            topk_indices = self.topk_indices_buffer[:num_tokens]
+            req_id = attn_metadata.req_id_per_token[:num_tokens]
+            if self.dcp_world_size > 1:
+                indices, _ = triton_filter_and_convert_dcp_index(
+                    req_id,
+                    attn_metadata.block_table,
+                    topk_indices,
+                    dcp_size=self.dcp_world_size,
+                    dcp_rank=self.dcp_rank,
+                    cp_kv_cache_interleave_size=attn_metadata.cp_kv_cache_interleave_size,
+                    BLOCK_SIZE=attn_metadata.block_size,
+                    NUM_TOPK_TOKENS=topk_indices.shape[1],
+                    return_valid_counts=True,
+                )
+            else:
+                indices = triton_convert_req_index_to_global_index(
+                    req_id,
+                    attn_metadata.block_table,
+                    topk_indices,
+                    BLOCK_SIZE=attn_metadata.block_size,
+                    NUM_TOPK_TOKENS=topk_indices.shape[1],
+                )
+            return self._run_kernel(q, kv_c_and_k_pe_cache, indices, layer)
 
 
 def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
