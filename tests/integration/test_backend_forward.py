@@ -20,6 +20,17 @@ BLOCK_SIZE = 64
 TOPK = 128  # vLLM's index conversion tiles top-k by 128
 
 
+@pytest.fixture(autouse=True)
+def _single_rank(monkeypatch, vllm_module):
+    """(0.33.0) The sparse MLA base asks the tensor-parallel group for its size; one rank here."""
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+
+    if hasattr(sparse_mla_attention, "get_tensor_model_parallel_world_size"):
+        monkeypatch.setattr(
+            sparse_mla_attention, "get_tensor_model_parallel_world_size", lambda: 1
+        )
+
+
 def _make_impl(kv_cache_dtype: str, num_heads: int, topk_buffer: torch.Tensor):
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseImpl
@@ -48,19 +59,54 @@ def _make_impl(kv_cache_dtype: str, num_heads: int, topk_buffer: torch.Tensor):
     return impl
 
 
+def _forward(impl, q, kv_cache, topk_local, block_table, req_id, layer):
+    """Run the impl's decode path as this pin's MLA layer would.
+
+    0.26.0: the impl's forward_mqa converts the indexer's request-local top-k itself.
+    0.33.0: the shared base class converts it into rows of flat_kv_row_view(kv_cache) (on CUDA,
+    through the index group's streams) and calls the impl's _forward_mqa_kernel; here the same
+    conversion is done with vLLM's Triton kernel and the impl's part is called directly.
+    """
+    from vllm.v1.attention.backends.mla import sparse_utils
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
+
+    T = topk_local.shape[0]
+    if hasattr(impl, "_forward_mqa_kernel"):
+        _, stride_rows = sparse_utils.flat_kv_row_view(kv_cache, BLOCK_SIZE)
+        physical, counts = sparse_utils.triton_convert_req_index_to_global_index(
+            req_id, block_table, topk_local, BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_STRIDE_ROWS=stride_rows, NUM_TOPK_TOKENS=TOPK, return_valid_counts=True,
+        )
+        return impl._forward_mqa_kernel(
+            q, kv_cache, physical, counts, layer=layer, block_size=BLOCK_SIZE, is_decode=True
+        )
+    md = TritonMLASparseMetadata(
+        num_reqs=block_table.shape[0], max_query_len=T, max_seq_len=0, num_actual_tokens=T,
+        query_start_loc=torch.zeros(block_table.shape[0] + 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(T, dtype=torch.int64), block_table=block_table,
+        req_id_per_token=req_id, seq_lens=torch.zeros(block_table.shape[0], dtype=torch.int32),
+        num_decodes=block_table.shape[0], num_prefills=0, num_decode_tokens=T,
+        block_size=BLOCK_SIZE, topk_tokens=TOPK,
+    )
+    return impl.forward_mqa(q, kv_cache, md, layer)
+
+
 def _cache(kv_cache_dtype: str, num_blocks: int) -> torch.Tensor:
+    """A [num_blocks, BLOCK_SIZE, W] cache whose blocks are two pages apart (a view of a larger
+    allocation, as when another layer's pages sit in between)."""
     if kv_cache_dtype == "fp8_ds_mla":
-        return torch.zeros(num_blocks, BLOCK_SIZE, 656, dtype=torch.uint8)
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        full = torch.zeros(num_blocks, 2 * BLOCK_SIZE, 656, dtype=torch.uint8)
+    elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
         # vLLM hands the layer an fp8 view of its byte allocation for this format.
-        return torch.zeros(num_blocks, BLOCK_SIZE, LATENT + ROPE, dtype=torch.float8_e4m3fn)
-    return torch.zeros(num_blocks, BLOCK_SIZE, LATENT + ROPE, dtype=torch.float16)
+        full = torch.zeros(num_blocks, 2 * BLOCK_SIZE, LATENT + ROPE, dtype=torch.float8_e4m3fn)
+    else:
+        full = torch.zeros(num_blocks, 2 * BLOCK_SIZE, LATENT + ROPE, dtype=torch.float16)
+    return full[:, :BLOCK_SIZE]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
 @pytest.mark.parametrize("num_heads", [8, 3])
 def test_forward_mqa_matches_reference(vllm_module, kv_cache_dtype, num_heads):
-    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
     from vllm.v1.attention.ops.triton_mla_kv_cache import dequantize_mla_kv_cache
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -106,28 +152,13 @@ def test_forward_mqa_matches_reference(vllm_module, kv_cache_dtype, num_heads):
         row[TOPK - 1] = pos[0]  # duplicate: counts twice
         topk_buffer[t] = row
 
-    md = TritonMLASparseMetadata(
-        num_reqs=3,
-        max_query_len=2,
-        max_seq_len=max(seq_lens),
-        num_actual_tokens=T,
-        query_start_loc=torch.tensor([0, 1, 3, 4], dtype=torch.int32),
-        slot_mapping=torch.zeros(T, dtype=torch.int64),
-        block_table=block_table,
-        req_id_per_token=torch.tensor(req_of_token, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_decodes=3,
-        num_prefills=0,
-        num_decode_tokens=T,
-        block_size=BLOCK_SIZE,
-        topk_tokens=TOPK,
-    )
     # The MLA layer passes (W_UK-absorbed latent query as a transposed bmm output, rope query).
     ql_nope = torch.randn(num_heads, T, LATENT, generator=g).half().transpose(0, 1)
     q_pe = torch.randn(T, num_heads, ROPE, generator=g).half()
     layer = types.SimpleNamespace(_k_scale=k_scale, _k_scale_float=float(k_scale))
     impl.need_to_return_lse_for_decode = True  # as under decode context parallelism
-    out, lse = impl.forward_mqa((ql_nope, q_pe), kv_cache, md, layer)
+    req_id = torch.tensor(req_of_token, dtype=torch.int32)
+    out, lse = _forward(impl, (ql_nope, q_pe), kv_cache, topk_buffer[:T], block_table, req_id, layer)
 
     # float64 reference over the dequantized cache
     deq = dequantize_mla_kv_cache(
@@ -154,8 +185,6 @@ def test_forward_mqa_matches_reference(vllm_module, kv_cache_dtype, num_heads):
 
 
 def test_rows_with_no_selected_token_give_zeros_and_minus_inf(vllm_module):
-    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
-
     T, H = 2, 4
     topk_buffer = torch.full((T, TOPK), -1, dtype=torch.int32)
     topk_buffer[1, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -169,20 +198,13 @@ def test_rows_with_no_selected_token_give_zeros_and_minus_inf(vllm_module):
         "fp8_ds_mla",
         torch.ones(1),
     )
-    md = TritonMLASparseMetadata(
-        num_reqs=2, max_query_len=1, max_seq_len=3, num_actual_tokens=T,
-        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-        slot_mapping=torch.zeros(T, dtype=torch.int64),
-        block_table=torch.tensor([[0], [0]], dtype=torch.int32),
-        req_id_per_token=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 3], dtype=torch.int32),
-        num_decodes=2, num_prefills=0, num_decode_tokens=T,
-        block_size=BLOCK_SIZE, topk_tokens=TOPK,
-    )
     impl.need_to_return_lse_for_decode = True
     q = torch.randn(T, H, LATENT + ROPE).half()
     layer = types.SimpleNamespace(_k_scale=torch.ones(1), _k_scale_float=1.0)
-    out, lse = impl.forward_mqa(q, kv_cache, md, layer)
+    out, lse = _forward(
+        impl, q, kv_cache, topk_buffer, torch.tensor([[0], [0]], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32), layer,
+    )
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.isinf(lse[0]).all() and (lse[0] < 0).all()
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()

@@ -46,7 +46,7 @@ def _check_topk(selected, ref_logits, k):
 
 
 @pytest.mark.parametrize("topk", [64])
-def test_prefill_and_decode_through_triton_indexer(vllm_module, monkeypatch, topk):
+def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monkeypatch, topk):
     import vllm.model_executor.layers.sparse_attn_indexer as sai
     from vllm.v1.attention.backends.mla.indexer import (
         DeepseekV32IndexerMetadata,

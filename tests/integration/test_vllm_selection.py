@@ -163,7 +163,7 @@ def test_kv_cache_shape_per_format(vllm_module, kv_cache_dtype, last_dim):
 
 
 def test_triton_indexer_is_used_with_triton_backend(
-    simulated_cuda, monkeypatch, glm5_model_config
+    simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
 ):
     from vllm.v1.attention.backends.mla import triton_mla_sparse
 
@@ -176,7 +176,7 @@ def test_triton_indexer_is_used_with_triton_backend(
 
 
 def test_deepgemm_indexer_kept_for_other_backends_when_available(
-    simulated_cuda, monkeypatch, glm5_model_config
+    simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
 ):
     import vllm.utils.deep_gemm as deep_gemm
     from vllm.v1.attention.backends.mla import triton_mla_sparse
