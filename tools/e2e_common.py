@@ -287,6 +287,26 @@ def worker_wait_for_go(jobdir: pathlib.Path, poll_s: float = 0.2) -> None:
         sys.exit(3)
 
 
+def preflight_imports(modules: list[str], env: dict[str, str] | None = None, timeout_s: float = 240.0) -> dict[str, Any]:
+    """Import each module in a fresh interpreter with `env`; name every one that fails at once."""
+    code = (
+        "import importlib, json\n"
+        "out = {}\n"
+        f"for m in {list(modules)!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(m); out[m] = 'ok'\n"
+        "    except Exception as e:\n"
+        "        out[m] = f'{type(e).__name__}: {e}'\n"
+        "print('PREFLIGHT' + json.dumps(out))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PREFLIGHT")), None)
+    if line is None:
+        return {"error": f"preflight produced no result (rc {p.returncode}): {p.stderr[-2000:]}"}
+    res = json.loads(line[len("PREFLIGHT"):])
+    return {"modules": res, "missing": {m: e for m, e in res.items() if e != "ok"}}
+
+
 def gpu_used_mib() -> list[int] | None:
     """Memory in use per GPU from nvidia-smi (None without it). Never initialises CUDA here: a CUDA
     context in vLLM's frontend process would make vLLM spawn its engine core instead of forking."""

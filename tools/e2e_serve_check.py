@@ -49,23 +49,7 @@ LONG_WORDS = ("sparse attention reads the top tokens of a long context through a
 
 def preflight(env: dict[str, str]) -> dict[str, Any]:
     """Import each server module in a fresh interpreter with the engine's environment."""
-    code = (
-        "import importlib, json, sys\n"
-        "out = {}\n"
-        f"for m in {SERVER_MODULES!r}:\n"
-        "    try:\n"
-        "        importlib.import_module(m); out[m] = 'ok'\n"
-        "    except Exception as e:\n"
-        "        out[m] = f'{type(e).__name__}: {e}'\n"
-        "print('PREFLIGHT' + json.dumps(out))\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PREFLIGHT")), None)
-    if line is None:
-        return {"error": f"preflight produced no result (rc {p.returncode}): {p.stderr[-2000:]}"}
-    res = json.loads(line[len("PREFLIGHT"):])
-    missing = {m: e for m, e in res.items() if e != "ok"}
-    return {"modules": res, "missing": missing}
+    return C.preflight_imports(SERVER_MODULES, env)
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, Any]:

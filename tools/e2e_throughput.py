@@ -66,6 +66,8 @@ BACKENDS: dict[str, dict[str, Any]] = {
                             "attention_config": {"sparse_mla_force_mqa": True}},
 }
 DEFAULT_BACKENDS = ["triton_fp8_ds_mla", "flashmla_fp8_ds_mla", "triton_fp8"]
+PREFLIGHT_MODULES = ["vllm", "compressed_tensors", "loguru",
+                     "vllm.model_executor.layers.quantization.fp8", "vllm.model_executor.models.deepseek_v2"]
 MLA_BYTES = {"auto": 1152, "bfloat16": 1152, "fp8": 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}
 INDEXER_BYTES = 132
 COPY_BW = 4.3e12  # H200 device-to-device copy, bytes/s (read + write counted), measured here
@@ -426,6 +428,13 @@ def driver(a: argparse.Namespace) -> int:
     }
     run = C.Run(res_path, results, tag="e2e-tput")
     env = C.engine_env({"VLLM_USE_DEEP_GEMM": os.environ.get("VLLM_USE_DEEP_GEMM", "0")})
+    with run.phase("preflight", fatal=True):
+        # a quantized model makes vLLM import compressed_tensors (tools/gpu-host-fp8-deps.txt)
+        pf = C.preflight_imports(PREFLIGHT_MODULES, env)
+        results["preflight"] = pf
+        if pf.get("error") or pf.get("missing"):
+            raise RuntimeError("missing on this host (stage tools/gpu-host-fp8-deps.txt with vLLM): "
+                               + json.dumps(pf.get("missing") or pf)[:2000])
     model_dir = work / "glm5-6l"
     with run.phase("model", fatal=True):
         if not M.model_is_current(model_dir, "glm5-6l", 0):

@@ -215,3 +215,19 @@ def test_vllm_serve_parser_accepts_the_server_flags(tmp_path, monkeypatch):
             assert args.enforce_eager
         else:
             assert args.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
+
+
+def test_fp8_deps_file_names_compressed_tensors_at_vllms_pin():
+    lines = [ln.strip() for ln in (REPO / "tools" / "gpu-host-fp8-deps.txt").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    pins = dict(ln.split("==") for ln in lines)
+    assert pins == {"compressed-tensors": "0.17.0", "loguru": "0.7.3"}
+    assert {"compressed_tensors", "loguru"} <= set(T.PREFLIGHT_MODULES)
+
+
+def test_preflight_imports_names_every_missing_module():
+    import e2e_common as C
+
+    r = C.preflight_imports(["json", "no_such_module_e2e", "os", "another_missing_e2e"])
+    assert set(r["missing"]) == {"no_such_module_e2e", "another_missing_e2e"}
+    assert r["modules"]["json"] == "ok"
