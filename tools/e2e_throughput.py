@@ -26,8 +26,9 @@ torch.compile and piecewise graphs). Per context C (`--contexts`, 4096 and/or 32
   tokens and top-k latent rows per layer and sequence) over 4.3 TB/s.
 
 Backends (`--backends`): triton_fp8_ds_mla, triton_fp8 (TRITON_MLA_SPARSE), flashmla_fp8_ds_mla
-(FLASHMLA_SPARSE, fp8_ds_mla, sparse_mla_force_mqa). Results: $OUT/e2e_h200.json (records: backend,
-kv_cache_dtype, batch, context, decode_tok_s, tpot_ms, ...), $OUT/e2e_throughput_logs.txt. Run it split by
+(FLASHMLA_SPARSE, fp8_ds_mla, sparse_mla_force_mqa). Results: $OUT/e2e_h200.json (records, decode: backend,
+kv_cache_dtype, batch, context, decode_tok_s, tpot_ms, tpot_floor_ms, ...; prefill: backend,
+kv_cache_dtype, batch, context, prefill_tok_s; per engine: KV tokens, profile), $OUT/e2e_h200_logs.txt. Run it split by
 context when one call cannot hold everything (see --plan): results of several calls are merged with
 --merge.
 
@@ -235,7 +236,8 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
     from vllm.inputs import TokensPrompt
 
     C.worker_wait_for_go(jobdir)
-    run = C.Run(jobdir / "result.json", {"name": spec["name"], "records": [], "spec": spec}, tag=spec["name"])
+    run = C.Run(jobdir / "result.json", {"name": spec["name"], "records": [], "prefill": [], "spec": spec},
+                tag=spec["name"])
     res = run.results
     res["vllm_version"] = vllm.__version__
     cfg = json.loads(pathlib.Path(spec["model"], "config.json").read_text())
@@ -298,11 +300,11 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
             dt1, _ = gen(prompts[:1], 1)
             rec = {"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx, "batch": 1,
                    "kind": "prefill", "prefill_tok_s": ctx / dt1, "seconds": round(dt1, 3)}
-            res["records"].append(rec)
+            res["prefill"].append(rec)
             run.log(f"prefill 1 x {ctx}: {ctx / dt1:,.0f} tok/s")
             if nb > 1:
                 dtn, _ = gen(prompts[1:], 1)
-                res["records"].append({"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx,
+                res["prefill"].append({"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx,
                                        "batch": nb - 1, "kind": "prefill", "prefill_tok_s": (nb - 1) * ctx / dtn,
                                        "seconds": round(dtn, 3)})
                 run.log(f"prefill {nb - 1} x {ctx}: {(nb - 1) * ctx / dtn:,.0f} tok/s")
@@ -386,9 +388,9 @@ def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
 # ==============================================================================================
 
 
-def table(records: list[dict[str, Any]]) -> str:
+def table(records: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> str:
     dec = [r for r in records if r.get("kind") == "decode"]
-    pre = [r for r in records if r.get("kind") == "prefill"]
+    pre = list(prefill)
     ref = {(r["context"], r["batch"]): r["decode_tok_s"] for r in dec
            if r["backend"] == "FLASHMLA_SPARSE" and r["kv_cache_dtype"] == "fp8_ds_mla"}
     rows = []
@@ -424,7 +426,7 @@ def driver(a: argparse.Namespace) -> int:
                      "repeats": a.repeats, "kv_gib": a.kv_gib, "chunk": a.chunk, "compile": a.compile,
                      "deadline_s": a.deadline_s},
         "plan": plan(contexts, batches, names, a.new_tokens, a.repeats),
-        "engines": {}, "records": [],
+        "engines": {}, "records": [], "prefill": [],
     }
     run = C.Run(res_path, results, tag="e2e-tput")
     env = C.engine_env({"VLLM_USE_DEEP_GEMM": os.environ.get("VLLM_USE_DEEP_GEMM", "0")})
@@ -457,17 +459,18 @@ def driver(a: argparse.Namespace) -> int:
         jobs.append(C.Job(n, [sys.executable, me, "--worker", str(jd)], jd, a.engine_timeout_s, env, expect * 0.7))
 
     def on_done(job: C.Job, res: dict[str, Any]) -> None:
-        for r in res.get("records", []):
+        for r in res.get("records", []) + res.get("prefill", []):
             r["command"] = results["command"]
         results["engines"][job.name] = res
         results["records"] = [r for e in results["engines"].values() for r in e.get("records", [])]
+        results["prefill"] = [r for e in results["engines"].values() for r in e.get("prefill", [])]
         run.save()
 
     with run.phase("jobs"):
         C.run_jobs(jobs, run, deadline, on_done)
     with run.phase("logs"):
         C.collect_logs(jobs, out / (a.name + "_logs.txt"))
-    results["table"] = table(results["records"])
+    results["table"] = table(results["records"], results["prefill"])
     run.save()
     print("\n" + "=" * 100)
     print(f"e2e throughput ({time.time() - t0:.0f} s): {res_path}")
@@ -486,17 +489,55 @@ def driver(a: argparse.Namespace) -> int:
     return 1 if any(e.get("errors") for e in results["engines"].values()) else 0
 
 
-def merge(paths: list[str], dest: pathlib.Path) -> int:
-    merged: dict[str, Any] = {"name": "e2e_h200", "merged_from": [], "records": [], "engines": {}}
+def plot(records: list[dict[str, Any]], dest: pathlib.Path) -> None:
+    """Decode tok/s and TPOT vs batch, one panel pair per context, one line per (backend, kv)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dec = [r for r in records if r.get("kind") == "decode"]
+    ctxs = sorted({r["context"] for r in dec})
+    if not ctxs:
+        raise ValueError("no decode records to plot")
+    fig, axes = plt.subplots(2, len(ctxs), figsize=(5.5 * len(ctxs), 7.5), squeeze=False)
+    for j, c in enumerate(ctxs):
+        lines = sorted({(r["backend"], r["kv_cache_dtype"]) for r in dec if r["context"] == c})
+        for b, kv in lines:
+            rs = sorted((r for r in dec if r["context"] == c and (r["backend"], r["kv_cache_dtype"]) == (b, kv)),
+                        key=lambda r: r["batch"])
+            x = [r["batch"] for r in rs]
+            axes[0][j].plot(x, [r["decode_tok_s"] for r in rs], "o-", label=f"{b} {kv}")
+            axes[1][j].plot(x, [r["tpot_ms"] for r in rs], "o-", label=f"{b} {kv}")
+        fl = sorted({(r["batch"], r.get("tpot_floor_ms")) for r in dec if r["context"] == c and r.get("tpot_floor_ms")})
+        if fl:
+            axes[1][j].plot([f[0] for f in fl], [f[1] for f in fl], "k--", label="byte floor (4.3 TB/s)")
+        for i, yl in enumerate(("decode tok/s", "TPOT ms")):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_ylabel(yl)
+            ax.set_title(f"GLM-5-shaped, 6 layers, FP8, H200, context {c}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+
+
+def merge(paths: list[str], dest: pathlib.Path, plot_path: str | None = None) -> int:
+    merged: dict[str, Any] = {"name": "e2e_h200", "merged_from": [], "records": [], "prefill": [], "engines": {}}
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
         merged["merged_from"].append({"file": p, "command": d.get("command"), "settings": d.get("settings")})
         merged["records"] += d.get("records", [])
+        merged["prefill"] += d.get("prefill", [])
         for n, e in d.get("engines", {}).items():
             merged["engines"][f"{n}@{','.join(str(c) for c in d.get('settings', {}).get('contexts', []))}"] = {
                 k: e.get(k) for k in ("kv", "profile", "log_facts", "engine_init_s", "errors", "job")}
-    merged["table"] = table(merged["records"])
+    merged["table"] = table(merged["records"], merged["prefill"])
     C.atomic_write_json(dest, merged)
+    if plot_path:
+        plot(merged["records"], pathlib.Path(plot_path))
     print(merged["table"])
     return 0
 
@@ -518,6 +559,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="e2e_h200", help="results file name under $OUT (without .json)")
     ap.add_argument("--plan", action="store_true", help="print the time estimate and exit")
     ap.add_argument("--merge", nargs="+", help="merge result files into $OUT/e2e_h200.json")
+    ap.add_argument("--plot", help="with --merge: also write this PNG (decode tok/s and TPOT vs batch)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -525,7 +567,7 @@ def main(argv=None) -> int:
         worker(json.loads((jd / "job.json").read_text()), jd)
         return 0
     if a.merge:
-        return merge(a.merge, C.out_dir() / "e2e_h200.json")
+        return merge(a.merge, C.out_dir() / "e2e_h200.json", a.plot)
     if a.plan:
         contexts = [int(x) for x in a.contexts.split(",")]
         batches = [int(x) for x in a.batches.split(",")]

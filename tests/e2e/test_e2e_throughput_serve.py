@@ -105,22 +105,33 @@ def test_plan_estimates_and_split_advice():
 
 def test_merge_and_table(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    recs = []
+    recs, pre = [], []
     for b, kv, tok in (("TRITON_MLA_SPARSE", "fp8_ds_mla", 900.0), ("FLASHMLA_SPARSE", "fp8_ds_mla", 1000.0)):
         recs.append({"backend": b, "kv_cache_dtype": kv, "context": 4096, "batch": 16, "kind": "decode",
                      "decode_tok_s": tok, "tpot_ms": 16000 / tok, "tpot_floor_ms": 5.0})
-        recs.append({"backend": b, "kv_cache_dtype": kv, "context": 4096, "batch": 1, "kind": "prefill",
-                     "prefill_tok_s": 1e5, "seconds": 0.04})
+        pre.append({"backend": b, "kv_cache_dtype": kv, "context": 4096, "batch": 1, "kind": "prefill",
+                    "prefill_tok_s": 1e5, "seconds": 0.04})
     f1, f2 = tmp_path / "a.json", tmp_path / "b.json"
-    f1.write_text(json.dumps({"command": "a", "settings": {"contexts": [4096]}, "records": recs[:2],
-                              "engines": {"t": {"kv": {}}}}))
-    f2.write_text(json.dumps({"command": "b", "settings": {"contexts": [4096]}, "records": recs[2:], "engines": {}}))
-    assert T.main(["--merge", str(f1), str(f2)]) == 0
+    f1.write_text(json.dumps({"command": "a", "settings": {"contexts": [4096]}, "records": recs[:1],
+                              "prefill": pre[:1], "engines": {"t": {"kv": {}}}}))
+    f2.write_text(json.dumps({"command": "b", "settings": {"contexts": [4096]}, "records": recs[1:],
+                              "prefill": pre[1:], "engines": {}}))
+    args = ["--merge", str(f1), str(f2)]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(tmp_path / "p.png")]
+    except ImportError:
+        pass
+    assert T.main(args) == 0
+    if "--plot" in args:
+        assert (tmp_path / "p.png").stat().st_size > 10000
     d = json.loads((tmp_path / "out" / "e2e_h200.json").read_text())
-    assert len(d["records"]) == 4 and len(d["merged_from"]) == 2
+    assert len(d["records"]) == 2 and len(d["prefill"]) == 2 and len(d["merged_from"]) == 2
+    assert "prefill tok/s" in d["table"]
     assert "0.9" in d["table"]  # ours / FLASHMLA decode tok/s
     for r in d["records"]:
-        for k in ("backend", "kv_cache_dtype", "batch", "context"):
+        for k in ("backend", "kv_cache_dtype", "batch", "context", "decode_tok_s", "tpot_ms"):
             assert k in r
 
 
