@@ -274,22 +274,15 @@ def dequant_indexer_k_cache(kv_cache: torch.Tensor, head_dim: int = 128, quant_b
 
 @triton.jit
 def _cp_gather_kernel(
-    cache_fp8_ptr, cache_f32_ptr, dst_k_ptr, dst_s_ptr, bt_ptr, cu_ptr,
-    num_reqs, num_tokens, stride_blk, stride_btb, stride_dk, stride_ds,
-    PAGE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    cache_fp8_ptr, cache_f32_ptr, dst_k_ptr, dst_s_ptr, bt_ptr, cu_ptr, req_ptr,
+    num_tokens, stride_blk, stride_btb, stride_dk, stride_ds,
+    PAGE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < num_tokens
-    # request of token t: the largest r in [0, num_reqs) with cu[r] <= t (binary search)
-    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
-    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + num_reqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = (hi - lo) > 1
-        mid = (lo + hi) // 2
-        v = tl.load(cu_ptr + mid, mask=active & tm, other=0)
-        go_right = active & (v <= t)
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(active & (v > t), mid, hi)
+    # request of token t, found on the device by the wrapper (torch.searchsorted): an in-kernel
+    # binary search over cu_seq_lens hit a Triton 3.6 layout-pass bug (sm_90 and sm_120)
+    lo = tl.load(req_ptr + t, mask=tm, other=0)
     start = tl.load(cu_ptr + lo, mask=tm, other=0)
     end = tl.load(cu_ptr + lo + 1, mask=tm, other=0)
     valid = tm & (t >= start) & (t < end)
@@ -347,11 +340,15 @@ def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
     s = _scale_view(dst_scale, n, ng)
     fp8v, f32v = _views(kv3)
     dk = dst_k.view(FP8_DTYPE) if dst_k.dtype != FP8_DTYPE else dst_k
+    # request of every token: the last r with cu_seq_lens[r] <= t (tokens past the chunk end get
+    # num_reqs and are masked by the kernel)
+    tok = torch.arange(n, device=cu_seq_lens.device, dtype=torch.int32)
+    req = (torch.searchsorted(cu_seq_lens[1:], tok, right=True)).clamp_(max=num_reqs - 1).to(torch.int32)
     block_t = 16
     _cp_gather_kernel[(triton.cdiv(n, block_t),)](
-        fp8v, f32v, dk, s, block_table, cu_seq_lens,
-        num_reqs, n, kv3.stride(0), block_table.stride(0), dk.stride(0), s.stride(0),
-        PAGE=page, D=head_dim, NG=ng, BLOCK_T=block_t, SEARCH_STEPS=max(1, math.ceil(math.log2(num_reqs + 1))),
+        fp8v, f32v, dk, s, block_table, cu_seq_lens, req,
+        n, kv3.stride(0), block_table.stride(0), dk.stride(0), s.stride(0),
+        PAGE=page, D=head_dim, NG=ng, BLOCK_T=block_t,
         num_warps=4,
     )
 
@@ -671,19 +668,26 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "divisible_by_16": ["k_ptr", "cache_u8_ptr", "cache_f32_ptr", "slot_ptr", "stride_kt", "stride_blk"],
                 "num_warps": 4, "num_stages": 1,
             })
-    specs.append({
-        "name": "dsa_cp_gather_indexer_k",
-        "fn": _cp_gather_kernel,
-        "signature": {"cache_fp8_ptr": "*fp8e4nv", "cache_f32_ptr": "*fp32", "dst_k_ptr": "*fp8e4nv",
-                      "dst_s_ptr": "*fp32", "bt_ptr": "*i32", "cu_ptr": "*i32", "num_reqs": "i32",
-                      "num_tokens": "i32", "stride_blk": "i32", "stride_btb": "i32", "stride_dk": "i32",
-                      "stride_ds": "i32", "PAGE": "constexpr", "D": "constexpr", "NG": "constexpr",
-                      "BLOCK_T": "constexpr", "SEARCH_STEPS": "constexpr"},
-        "constexprs": {"PAGE": 64, "D": 128, "NG": 1, "BLOCK_T": 16, "SEARCH_STEPS": 8},
-        "divisible_by_16": ["cache_fp8_ptr", "cache_f32_ptr", "dst_k_ptr", "dst_s_ptr", "bt_ptr", "cu_ptr",
-                            "stride_blk", "stride_dk"],
-        "num_warps": 4, "num_stages": 1,
-    })
+    # stride_ds == 1 is what vLLM passes (its [N, 4]-byte scale workspace seen as [N, 1] fp32) and
+    # the launcher then specializes it as a constant; num_tokens is often a multiple of 16.
+    for ds_one in (False, True):
+        sig = {"cache_fp8_ptr": "*fp8e4nv", "cache_f32_ptr": "*fp32", "dst_k_ptr": "*fp8e4nv",
+               "dst_s_ptr": "*fp32", "bt_ptr": "*i32", "cu_ptr": "*i32", "req_ptr": "*i32",
+               "num_tokens": "i32", "stride_blk": "i32", "stride_btb": "i32", "stride_dk": "i32",
+               "stride_ds": "constexpr" if ds_one else "i32", "PAGE": "constexpr", "D": "constexpr",
+               "NG": "constexpr", "BLOCK_T": "constexpr"}
+        consts = {"PAGE": 64, "D": 128, "NG": 1, "BLOCK_T": 16}
+        if ds_one:
+            consts["stride_ds"] = 1
+        specs.append({
+            "name": f"dsa_cp_gather_indexer_k{'_ds1' if ds_one else ''}",
+            "fn": _cp_gather_kernel,
+            "signature": sig,
+            "constexprs": consts,
+            "divisible_by_16": ["cache_fp8_ptr", "cache_f32_ptr", "dst_k_ptr", "dst_s_ptr", "bt_ptr", "cu_ptr",
+                                "req_ptr", "num_tokens", "stride_blk", "stride_dk"],
+            "num_warps": 4, "num_stages": 1,
+        })
     for H in (32, 64):
         for next_n in (1, 2, 4):
             for tiles in (32,):
