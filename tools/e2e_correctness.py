@@ -325,6 +325,8 @@ def engine_kwargs(spec: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
         enable_prefix_caching=True,
         max_logprobs=-1,
         disable_log_stats=False,
+        # tensor parallelism (issue 7): heads split over the ranks, latent KV and indexer replicated
+        tensor_parallel_size=int(spec.get("tp", 1)),
     )
     if spec.get("attention_config"):
         kw["attention_config"] = spec["attention_config"]
@@ -740,9 +742,10 @@ def driver(a: argparse.Namespace) -> int:
     deadline = t_start + a.deadline_s
     out = C.out_dir()
     work = C.work_dir()
-    res_path = out / "e2e_correctness_h200.json"
+    res_path = out / f"{a.name}.json"
     results: dict[str, Any] = {
-        "name": "e2e_correctness_h200",
+        "name": a.name,
+        "tensor_parallel_size": a.tp,
         "command": "python3 " + " ".join(shlex.quote(x) for x in sys.argv),
         "env": {k: os.environ.get(k) for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER", "HF_HUB_OFFLINE",
                                                "TRANSFORMERS_OFFLINE", "CUDA_VISIBLE_DEVICES")},
@@ -774,7 +777,7 @@ def driver(a: argparse.Namespace) -> int:
                                         "ref_dir": str(ref_dir), "device": a.hf_device}, 240, 60))
     for n in names:
         spec = {"kind": "vllm", "name": n, "model": str(model_dir), "prompts": str(prompts_path),
-                "ref_dir": str(ref_dir), "mode": a.mode, **ENGINES[n]}
+                "ref_dir": str(ref_dir), "mode": a.mode, "tp": a.tp, **ENGINES[n]}
         spec["phases"] = [p for p in spec["phases"] if not (a.quick and p in ("repeat",))]
         jobs.append(mk_job(n, spec, a.engine_timeout_s, ENGINES[n]["expect_s"]))
     jobs[0].start()  # the HF worker imports torch/transformers while the model is built
@@ -852,6 +855,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-timeout-s", type=float, default=150.0)
     ap.add_argument("--quick", action="store_true", help="fewer prompts, no repeat (smoke test)")
     ap.add_argument("--list", action="store_true", help="list the engines and exit")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every vLLM engine")
+    ap.add_argument("--name", default="e2e_correctness_h200", help="results file name under $OUT")
     ap.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)  # cpu: plumbing test only
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

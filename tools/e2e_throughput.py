@@ -252,6 +252,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         max_model_len=max(contexts) + N + 128, max_num_seqs=nb, max_num_batched_tokens=spec["chunk"],
         enable_prefix_caching=True, kv_cache_memory_bytes=int(spec["kv_gib"] * 2**30),
         gpu_memory_utilization=0.8, disable_log_stats=True,
+        tensor_parallel_size=int(spec.get("tp", 1)),
         profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
                          "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False,
                          "torch_profiler_use_gzip": True, "ignore_frontend": True,
@@ -298,13 +299,13 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         prompts = [[rng.randrange(V) for _ in range(ctx)] for _ in range(nb)]
         with run.phase(f"prefill_{ctx}"):
             dt1, _ = gen(prompts[:1], 1)
-            rec = {"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx, "batch": 1,
+            rec = {"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "tp": spec.get("tp", 1), "context": ctx, "batch": 1,
                    "kind": "prefill", "prefill_tok_s": ctx / dt1, "seconds": round(dt1, 3)}
             res["prefill"].append(rec)
             run.log(f"prefill 1 x {ctx}: {ctx / dt1:,.0f} tok/s")
             if nb > 1:
                 dtn, _ = gen(prompts[1:], 1)
-                res["prefill"].append({"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx,
+                res["prefill"].append({"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "tp": spec.get("tp", 1), "context": ctx,
                                        "batch": nb - 1, "kind": "prefill", "prefill_tok_s": (nb - 1) * ctx / dtn,
                                        "seconds": round(dtn, 3)})
                 run.log(f"prefill {nb - 1} x {ctx}: {(nb - 1) * ctx / dtn:,.0f} tok/s")
@@ -317,7 +318,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
                 if dt <= 0:
                     raise RuntimeError(f"non-positive decode time: t1 {t1:.4f} s, t2 {t2s}")
                 fl = decode_floor(a, spec["kv"], b, ctx)
-                rec = {"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "context": ctx, "batch": b,
+                rec = {"backend": spec["backend"], "kv_cache_dtype": spec["kv"], "tp": spec.get("tp", 1), "context": ctx, "batch": b,
                        "kind": "decode", "new_tokens": N, "decode_tok_s": b * N / dt, "tpot_ms": dt / N * 1e3,
                        "t_prefix_hit_s": round(t1, 4), "t_generate_s": [round(x, 4) for x in t2s],
                        "tpot_floor_ms": round(fl["floor_ms"], 3), "floor_weight_gb": round(fl["weight_bytes"] / 1e9, 3),
@@ -453,7 +454,7 @@ def driver(a: argparse.Namespace) -> int:
         spec = {"name": n, "model": str(model_dir), **BACKENDS[n], "contexts": contexts, "batches": batches,
                 "new_tokens": a.new_tokens, "repeats": a.repeats, "kv_gib": a.kv_gib, "chunk": a.chunk,
                 "compile": a.compile, "profile": not a.no_profile, "profile_batch": a.profile_batch,
-                "profile_steps": 8, "prof_dir": str(work / "prof" / n)}
+                "profile_steps": 8, "prof_dir": str(work / "prof" / n), "tp": a.tp}
         (jd / "job.json").write_text(json.dumps(spec))
         expect = results["plan"]["per_engine"][n]
         jobs.append(C.Job(n, [sys.executable, me, "--worker", str(jd)], jd, a.engine_timeout_s, env, expect * 0.7))
@@ -557,6 +558,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--engine-timeout-s", type=float, default=480.0)
     ap.add_argument("--name", default="e2e_h200", help="results file name under $OUT (without .json)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     ap.add_argument("--plan", action="store_true", help="print the time estimate and exit")
     ap.add_argument("--merge", nargs="+", help="merge result files into $OUT/e2e_h200.json")
     ap.add_argument("--plot", help="with --merge: also write this PNG (decode tok/s and TPOT vs batch)")
