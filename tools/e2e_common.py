@@ -433,3 +433,32 @@ def safe_float(x) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
+
+
+def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
+    """What a vLLM engine said about itself in its log: the attention backend(s) it chose (both
+    the auto-selection and the explicit-backend message), KV cache size and concurrency, and the
+    CUDA-graph lines."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    facts: dict[str, Any] = {}
+    m = re.findall(r"Using (\w+) attention backend", text)
+    m += re.findall(r"Using AttentionBackendEnum\.(\w+) backend", text)
+    if m:
+        facts["attention_backends_logged"] = sorted(set(m))
+    m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
+    if m:
+        facts["kv_cache_tokens_logged"] = int(m[-1].replace(",", ""))
+    m = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", text)
+    if m:
+        facts["max_concurrency"] = m[-1][1]
+    cg = [ln.strip()[:300] for ln in text.splitlines()
+          if ("cudagraph" in ln.lower() or "cuda graph" in ln.lower())
+          and any(w in ln for w in ("not support", "Overrid", "downgrad", "fall", "captur", "Captur", "disabl"))]
+    if cg:
+        facts["cudagraph_lines"] = cg[-8:]
+    return facts

@@ -371,29 +371,6 @@ def metric_delta(a: dict, b: dict, name: str) -> float | None:
     return vb - va
 
 
-def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
-    """What the engine said about itself: chosen attention backend(s), KV cache size, CUDA graphs."""
-    import re
-
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return {}
-    facts: dict[str, Any] = {}
-    m = re.findall(r"Using (\w+) attention backend", text)
-    if m:
-        facts["attention_backends_logged"] = sorted(set(m))
-    m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
-    if m:
-        facts["kv_cache_tokens_logged"] = int(m[-1].replace(",", ""))
-    cg = [ln.strip()[:300] for ln in text.splitlines()
-          if ("cudagraph" in ln.lower() or "cuda graph" in ln.lower()) and
-          any(w in ln for w in ("not support", "Overrid", "downgrad", "fall", "Capturing", "captur", "disabl"))]
-    if cg:
-        facts["cudagraph_lines"] = cg[-8:]
-    return facts
-
-
 def greedy_params(n: int, logprobs: int | None = 2, **kw):
     from vllm import SamplingParams
 
@@ -436,7 +413,7 @@ def worker_vllm(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
     res["gpu_before"] = C.wait_gpu_idle(log=run.log)
     with run.phase("engine_init", fatal=True):
         llm = LLM(**kw)
-    res["log_facts"] = log_facts(jobdir / "log.txt")
+    res["log_facts"] = C.log_facts(jobdir / "log.txt")
     run.log(f"engine up: {res['log_facts']}")
 
     def tp(ids):
@@ -558,7 +535,7 @@ def worker_vllm(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
             }
             run.log(f"preempt: preemptions {res['preempt']['preemptions']}, "
                     f"identical {res['preempt']['comparison']['identical']}/{len(clean)}")
-    res["log_facts"] = log_facts(jobdir / "log.txt")
+    res["log_facts"] = C.log_facts(jobdir / "log.txt")
     run.save()
 
 

@@ -271,7 +271,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         t = time.time()
         llm = LLM(**kw)
         res["engine_init_s"] = round(time.time() - t, 1)
-    facts = log_facts(jobdir / "log.txt")
+    facts = C.log_facts(jobdir / "log.txt")
     res["log_facts"] = facts
     n_layers = cfg["num_hidden_layers"]
     res["kv"] = {"kv_gib": spec["kv_gib"], "kv_cache_tokens_logged": facts.get("kv_cache_tokens_logged"),
@@ -359,29 +359,6 @@ def _stable(p: pathlib.Path) -> bool:
         return s1 > 0 and p.stat().st_size == s1
     except OSError:
         return False
-
-
-def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return {}
-    facts: dict[str, Any] = {}
-    m = re.findall(r"Using (\w+) attention backend", text)
-    if m:
-        facts["attention_backends_logged"] = sorted(set(m))
-    m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
-    if m:
-        facts["kv_cache_tokens_logged"] = int(m[-1].replace(",", ""))
-    m = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", text)
-    if m:
-        facts["max_concurrency"] = m[-1][1]
-    cg = [ln.strip()[:300] for ln in text.splitlines()
-          if ("cudagraph" in ln.lower() or "cuda graph" in ln.lower())
-          and any(w in ln for w in ("not support", "Overrid", "downgrad", "fall", "captur", "Captur", "disabl"))]
-    if cg:
-        facts["cudagraph_lines"] = cg[-8:]
-    return facts
 
 
 # ==============================================================================================

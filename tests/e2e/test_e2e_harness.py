@@ -373,11 +373,15 @@ def test_engine_env_adds_the_staged_site_and_keeps_callers_settings(tmp_path, mo
 
 def test_log_facts_parses_the_engine_log(tmp_path):
     p = tmp_path / "log.txt"
-    p.write_text("INFO [cuda.py] Using TRITON_MLA_SPARSE attention backend out of ...\n"
+    p.write_text("INFO [cuda.py] Using AttentionBackendEnum.TRITON_MLA_SPARSE backend.\n"
+                 "INFO [cuda.py] Using FLASHMLA_SPARSE attention backend out of ...\n"
                  "INFO GPU KV cache size: 5,184 tokens\n"
+                 "Maximum concurrency for 32,960 tokens per request: 165.24x\n"
                  "WARNING CUDAGraphMode.FULL_DECODE_ONLY is not supported with X; Overriding to NONE\n")
-    f = E.log_facts(p)
-    assert f["attention_backends_logged"] == ["TRITON_MLA_SPARSE"] and f["kv_cache_tokens_logged"] == 5184
+    f = C.log_facts(p)
+    # explicit (--attention-backend) and auto-selected (e.g. the MTP drafter's) choices both count
+    assert f["attention_backends_logged"] == ["FLASHMLA_SPARSE", "TRITON_MLA_SPARSE"]
+    assert f["kv_cache_tokens_logged"] == 5184 and f["max_concurrency"] == "165.24"
     assert len(f["cudagraph_lines"]) == 1
 
 

@@ -135,15 +135,6 @@ def test_merge_and_table(tmp_path, monkeypatch):
             assert k in r
 
 
-def test_throughput_log_facts(tmp_path):
-    p = tmp_path / "log.txt"
-    p.write_text("Using FLASHMLA_SPARSE attention backend\nGPU KV cache size: 5,446,272 tokens\n"
-                 "Maximum concurrency for 32,960 tokens per request: 165.24x\n")
-    f = T.log_facts(p)
-    assert f == {"attention_backends_logged": ["FLASHMLA_SPARSE"], "kv_cache_tokens_logged": 5446272,
-                 "max_concurrency": "165.24"}
-
-
 # ---------------------------------------------------------------------------------------------
 # serve check
 # ---------------------------------------------------------------------------------------------

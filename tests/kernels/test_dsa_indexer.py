@@ -7,28 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-# --- interpreter setup (standalone-safe; tests/kernels/conftest.py normally did this already) ----
+# --- interpreter setup: the shared module (also what tests/kernels/conftest.py imports) ----------
 import os  # noqa: E402
 import sys  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "kernels"))
-if INTERPRET:  # triton 3.6 + numpy >= 2.3: runtime loop bounds need a squeezing __index__
-    from triton.runtime import interpreter as _interp
-
-    if not getattr(_interp._patch_lang_tensor, "_dsa_index_fix", False):
-        _orig_patch = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        _patch_lang_tensor._dsa_index_fix = True
-        _interp._patch_lang_tensor = _patch_lang_tensor
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "kernels"))
+from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET  # noqa: E402
 DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
 # ------------------------------------------------------------------------------------------------
 # CPU interpreter: tl.dot on bf16 is wrong in triton 3.6's interpreter, so the K-cache write takes
