@@ -411,9 +411,10 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> 
     while split * 2 <= min(16, want, max(1, max_seq_len // 8192)):
         split *= 2
     # register budget (checked with cuobjdump, no spills on sm_90 / sm_120): CAP 4096 -> 8 warps,
-    # 2048-wide chunks; CAP 8192 (k > 2048) -> 16 warps, 1024-wide chunks.
+    # 2048-wide chunks; CAP 8192 (k > 2048) -> 16 warps, 1024-wide chunks. The merge kernel always
+    # takes 16 warps: at 8 it spills 64 B of stack on sm_120 with Triton 3.8 (vLLM 0.33.0's pin).
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024,
-                KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8)
+                KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
 
 
 def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
@@ -449,6 +450,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     cfg = topk_config(k, max_seq_len, rows, sms)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
+    merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
     lay = _scratch_layout(rows, k, cap, split)
     if scratch is None or scratch.numel() < lay["total"] or scratch.dtype != torch.int32:
@@ -463,7 +465,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
         )
     _topk_merge_kernel[(rows,)](
         *common, K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"], RCHUNK=cfg["RCHUNK"],
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], num_warps=num_warps,
+        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], num_warps=merge_warps,
     )
     return out
 
@@ -624,6 +626,7 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     for k, max_len, split, mode in combos:
         cfg = topk_config(k, max_len)
         nw = cfg.pop("num_warps")
+        merge_nw = cfg.pop("merge_warps")
         tag = f"k={k},S={cfg['S']},CAP={cfg['CAP']},split={split},mode={mode}"
         specs.append({
             "name": f"dsa_topk_segment[{tag}]", "fn": _topk_segment_kernel,
@@ -641,6 +644,6 @@ def SM120_COMPILE_SPECS() -> list[dict]:
             "constexprs": {"K": k, "KFILL": cfg["KFILL"], "MODE": mode, "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
                            "RCHUNK": cfg["RCHUNK"], "SPLIT": split, "SPLIT_P": triton.next_power_of_2(split),
                            "GCHUNK": cfg["GCHUNK"]},
-            "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
+            "divisible_by_16": div16, "num_warps": merge_nw, "num_stages": 1,
         })
     return specs
