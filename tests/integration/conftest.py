@@ -32,7 +32,10 @@ if not _HAS_CUDA:
     # worker whose CUDA_VISIBLE_DEVICES is empty; claim that case so vLLM's own Triton kernels
     # (index conversion) run in the interpreter next to ours. Must precede `import vllm`.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-GLM5_CONFIG = REPO.parent / "shared" / "models" / "glm-5" / "config.json"
+# GLM-5's public config.json, as ../shared/models/glm-5/config.json restates it (a copy lives in the
+# repository because CI's clean clone has no ../shared; test_glm5_config checks the two agree).
+GLM5_CONFIG = REPO / "tests" / "data" / "glm-5-config.json"
+SHARED_GLM5_CONFIG = REPO.parent / "shared" / "models" / "glm-5" / "config.json"
 OVERLAY_BACKEND_MODULE = "vllm.v1.attention.backends.mla.triton_mla_sparse"
 
 

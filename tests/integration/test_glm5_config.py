@@ -62,3 +62,15 @@ def test_indexer_cache_is_132_bytes_per_token(glm5_model_config):
     head_dim = glm5_model_config.hf_text_config.index_head_dim
     quant_block = 128
     assert head_dim + head_dim // quant_block * 4 == 132
+
+
+def test_repository_copy_matches_the_shared_config():
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    GLM5_CONFIG = repo / "tests" / "data" / "glm-5-config.json"
+    SHARED_GLM5_CONFIG = repo.parent / "shared" / "models" / "glm-5" / "config.json"
+    if not SHARED_GLM5_CONFIG.exists():
+        pytest.skip("no ../shared next to this checkout (CI's clean clone)")
+    assert json.loads(GLM5_CONFIG.read_text()) == json.loads(SHARED_GLM5_CONFIG.read_text())
