@@ -58,6 +58,20 @@ def test_double_apply_is_a_no_op(proj_with_patch):
     assert snapshot(p.tree("9.9.0")) == before
 
 
+def test_reapply_when_a_later_patch_edits_an_earlier_patchs_lines(proj_with_patch):
+    """Patch 2 rewrites the line patch 1 added: reverse-applying patch 1 to the final tree fails,
+    yet a second apply (e.g. the main job run again) must see both as applied and change nothing."""
+    p = proj_with_patch
+    t = p.tree("9.9.0")
+    commit_edit(t, {"vllm/model.py": model_with({20: "value_20 = 'TWENTY'\n"})}, "[Model] Twenty in capitals")
+    p.run("refresh", check_rc=0)
+    p.run("apply", check_rc=0)
+    before = snapshot(t)
+    r = p.run("apply", check_rc=0)
+    assert r.out.count("already applied") == 2 and "already up to date" in r.out
+    assert snapshot(t) == before
+
+
 def test_offsets_are_reported_no_fuzz(tmp_path):
     # the patch was written against a file with 3 more lines at the top: applies with an offset
     p = make_project(tmp_path)

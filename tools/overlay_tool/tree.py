@@ -282,7 +282,14 @@ class Tree:
             g.run("read-tree", start, env=env)
             parent = start
             steps: list[PatchStep] = []
+            # Patches whose commits the tree already holds, in series order, count as applied.
+            # (Checking each patch by reverse-applying it to the final tree is not enough: a later
+            # patch that edits the same lines hides an earlier one.)
+            done = self._applied_prefix(start, patches)
             for n, p in enumerate(patches, 1):
+                if n <= done:
+                    steps.append(PatchStep(p.name, "already-applied"))
+                    continue
                 r = g.run("apply", "--cached", "--check", "-v", str(p.path), env=env, check=False)
                 if r.returncode == 0:
                     g.run("apply", "--cached", str(p.path), env=env)
@@ -455,6 +462,17 @@ class Tree:
         )
 
     # --------------------------------------------------------------- export
+    def _applied_prefix(self, start: str, patches: list[PatchFile]) -> int:
+        """How many leading patches of the series the tree's patch commits are, byte for byte."""
+        if start == self.base:
+            return 0
+        n = 0
+        for sha, p in zip(self.patch_commits(start), patches):
+            if self.export_commit(sha) != p.path.read_bytes():
+                break
+            n += 1
+        return n
+
     def patch_commits(self, upto: str = "HEAD") -> list[str]:
         """Commits after the baseline that are patches (not overlay commits), oldest first."""
         out = self.g.out("log", "--reverse", "--format=%H%x01%B%x00", f"{self.base}..{upto}")
