@@ -125,8 +125,8 @@ def glm5_config_dict() -> dict:
 
 
 def triton_indexer_wired() -> bool:
-    """Whether this pin's patched sparse_attn_indexer can run the Triton DSA kernels
-    (0.26.0 series: yes; 0.33.0: not yet, its indexer stays on DeepGEMM)."""
+    """Whether this pin's patched sparse_attn_indexer can run the Triton DSA kernels (both
+    pins' series wire it; a pin whose series does not yet gets an xfail, not a failure)."""
     import inspect
 
     from vllm.model_executor.layers import sparse_attn_indexer
@@ -140,6 +140,5 @@ def triton_indexer_wired() -> bool:
 def require_triton_indexer(vllm_module):
     if not triton_indexer_wired():
         pytest.xfail(
-            "the Triton DSA indexer is not wired into this pin's sparse_attn_indexer yet "
-            "(vLLM 0.33.0: the indexer stays on DeepGEMM; see README, known gaps)"
+            "the Triton DSA indexer is not wired into this pin's sparse_attn_indexer"
         )

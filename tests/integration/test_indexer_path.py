@@ -11,6 +11,8 @@ for; everything else is vLLM's code and ours, in the Triton interpreter on the C
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import types
 
 import pytest
@@ -31,6 +33,23 @@ def _reference_logits(q_fp8, w, k_deq, ctx_start, ctx_end):
     return (w.double()[:, None] * s).sum(0)
 
 
+def _make(cls, **fields):
+    """A vLLM dataclass from the fields this pin has (0.33.0 added `max_seqlen_k` to the
+    prefill chunk; every field a pin lacks is dropped, every one it requires must be given)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in names})
+
+
+def _forward_context(md):
+    try:  # 0.33.0 reads the CUDA-graph mode of the step
+        from vllm.config import CUDAGraphMode
+
+        mode = CUDAGraphMode.NONE
+    except ImportError:
+        mode = None
+    return types.SimpleNamespace(attn_metadata={PREFIX: md}, cudagraph_runtime_mode=mode)
+
+
 def _check_topk(selected, ref_logits, k):
     """`selected` (request-local, -1 padded) is a valid top-k of `ref_logits` up to rounding."""
     n = ref_logits.numel()
@@ -43,6 +62,14 @@ def _check_topk(selected, ref_logits, k):
         kth = ref_logits.topk(valid.numel()).values[-1]
         tol = 1e-4 * ref_logits.abs().max() + 1e-6
         assert ref_logits[valid].min() >= kth - tol
+
+
+def _keywords_of_this_pin(fn):
+    """0.33.0 added required arguments after `use_pcp` (no PCP decode sharding, no dense-MHA
+    metadata layer: the step's top-k is always consumed)."""
+    params = inspect.signature(fn).parameters
+    extra = {"pcp_shard_decode_requests": False, "dense_mha_metadata_layer_name": ""}
+    return {k: v for k, v in extra.items() if k in params}
 
 
 @pytest.mark.parametrize("topk", [64])
@@ -96,13 +123,15 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
     first = pre_ctx - pre_new
     ks = torch.zeros(pre_new, dtype=torch.int32)
     ke = torch.arange(first + 1, pre_ctx + 1, dtype=torch.int32)
-    chunk = DeepseekV32IndexerPrefillChunkMetadata(
+    chunk = _make(
+        DeepseekV32IndexerPrefillChunkMetadata,
         block_table=block_table[1:2],
         cu_seqlen_ks=ks,
         cu_seqlen_ke=ke,
         cu_seq_lens=cu_seq_lens,
         token_to_seq=torch.zeros(pre_new, dtype=torch.int32),
         total_seq_lens=pre_ctx,
+        max_seqlen_k=pre_ctx,
         token_start=2,
         token_end=T,
         num_reqs=1,
@@ -110,14 +139,16 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         local_total_seq_lens=pre_ctx,
         max_local_total_seq_lens=pre_ctx,
     )
-    decode = DeepSeekV32IndexerDecodeMetadata(
+    decode = _make(
+        DeepSeekV32IndexerDecodeMetadata,
         block_table=block_table[0:1],
         seq_lens=torch.tensor([[dec_ctx - 1, dec_ctx]], dtype=torch.int32),
         decode_lens=torch.tensor([2], dtype=torch.int32),
         requires_padding=False,
         schedule_metadata=torch.empty(0),
     )
-    md = DeepseekV32IndexerMetadata(
+    md = _make(
+        DeepseekV32IndexerMetadata,
         seq_lens=torch.tensor([dec_ctx, pre_ctx], dtype=torch.int32),
         max_seq_len=dec_ctx,
         slot_mapping=slot_mapping,
@@ -128,9 +159,7 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         decode=decode,
         prefill=DeepseekV32IndexerPrefillMetadata(chunks=[chunk]),
     )
-    monkeypatch.setattr(
-        sai, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={PREFIX: md})
-    )
+    monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(md))
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
     buffer = torch.full((T + 4, topk), -7, dtype=torch.int32)
 
@@ -152,6 +181,7 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         False,  # skip_k_cache_insert
         False,  # use_pcp
         use_triton_indexer=True,
+        **_keywords_of_this_pin(sai.sparse_attn_indexer),
     )
 
     vals, scales = dequant_indexer_k_cache(kv_cache)

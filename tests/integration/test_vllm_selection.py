@@ -190,3 +190,22 @@ def test_deepgemm_indexer_kept_for_other_backends_when_available(
         assert not triton_mla_sparse.use_triton_dsa_indexer(vllm_config)
         monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: False)
         assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config)
+
+
+def test_mx_scale_indexer_cache_keeps_deepgemm(
+    simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
+):
+    """On SM100, vLLM 0.33+ stores the indexer cache with MX scales (written by the model's
+    fused K-cache kernel), which the Triton kernels do not read: the indexer stays on
+    DeepGEMM there even with TRITON_MLA_SPARSE. 0.26.0 stores fp32 scales on every device."""
+    import vllm.utils.deep_gemm as deep_gemm
+    from vllm.v1.attention.backends.mla import triton_mla_sparse
+
+    simulated_cuda(10, 0)
+    monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
+    from vllm.config import set_current_vllm_config
+
+    mx_scales = getattr(deep_gemm, "mqa_logits_use_mx_scales", lambda: False)()
+    _, vllm_config = _select(glm5_model_config, "fp8_ds_mla", backend=BACKEND)
+    with set_current_vllm_config(vllm_config):
+        assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config) == (not mx_scales)

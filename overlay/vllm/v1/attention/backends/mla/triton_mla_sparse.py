@@ -426,16 +426,29 @@ def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
 
     True when the sparse MLA layers are served by TRITON_MLA_SPARSE (the whole
     attention stack then stays free of JIT-built CUDA), or when DeepGEMM, the
-    only other CUDA indexer, is missing or does not support the device.
+    only other CUDA indexer, is missing or does not support the device; never
+    where vLLM stores the indexer cache with MX scales (0.33+ on SM100).
     """
     from vllm.platforms import current_platform
     from vllm.utils.deep_gemm import has_deep_gemm
 
     if not current_platform.is_cuda():
         return False
+    if _indexer_cache_uses_mx_scales():
+        # vLLM 0.33+ on SM100 writes the indexer cache with MX (UE8M0 x4) scales
+        # in the model's fused K-cache kernel; the Triton kernels read fp32 scales.
+        return False
     if not (has_deep_gemm() and current_platform.support_deep_gemm()):
         return True
     return selected_sparse_mla_backend(vllm_config) == BACKEND_NAME
+
+
+def _indexer_cache_uses_mx_scales() -> bool:
+    try:  # vLLM 0.33+; 0.26 always stores fp32 scales
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:
+        return False
+    return mqa_logits_use_mx_scales()
 
 
 def selected_sparse_mla_backend(vllm_config: "VllmConfig") -> str:
