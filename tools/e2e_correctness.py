@@ -12,9 +12,10 @@ One invocation, under 8 minutes on an H200 (the model is built on the host, neve
 3. vLLM engines, each in its own subprocess (GPU memory is freed in between; the next one's
    `import vllm` overlaps the current one): full-vocabulary prompt_logprobs of the same prompts for
      TRITON_MLA_SPARSE x {fp8_ds_mla, fp8, auto}  and  FLASHMLA_SPARSE x fp8_ds_mla (+ sparse_mla_force_mqa),
-   greedy continuations; on TRITON_MLA_SPARSE fp8_ds_mla also a repeat of set A (determinism), a
-   shared prefix served from the prefix cache vs recomputed, and a run forced to preempt (a KV cache
-   of ~5k tokens, 24 concurrent requests) vs the same requests one at a time; then
+   greedy continuations; a shared prefix served from the prefix cache vs recomputed (TRITON_MLA_SPARSE
+   fp8_ds_mla and auto, and FLASHMLA_SPARSE as the yardstick of that comparison); on
+   TRITON_MLA_SPARSE fp8_ds_mla also a repeat of set A (determinism) and a run forced to preempt
+   (a KV cache of ~5k tokens, 16 concurrent requests) vs the same requests one at a time; then
    TRITON_MLA_SPARSE fp8_ds_mla with MTP (num_speculative_tokens 3 and 1): greedy outputs vs the
    non-speculative run;
 4. per backend/format: top1_agree and exact full-vocab mean_kl = KL(ref || vllm) vs the float32
@@ -54,7 +55,7 @@ LENGTHS_A = [16, 64, 200, 256, 384, 1000, 2048, 4096]
 LENGTHS_B = [32, 128, 255, 300, 512, 1500, 3000]
 GREEDY_LENGTHS = [100, 600, 1500, 3500]
 GREEDY_NEW = 32
-PREFIX_LEN, SUFFIX_LEN, N_SUFFIX = 1536, 256, 3
+PREFIX_LEN, SUFFIX_LEN, N_SUFFIX = 1536, 256, 6
 # short prompts, long generations: all are admitted at once (16 x ~150 tokens) and their decode
 # growth (16 x ~726 tokens) outgrows the 5120-token cache, so the scheduler must preempt
 PREEMPT_N, PREEMPT_LEN, PREEMPT_NEW = 16, (100, 200), 576
@@ -72,8 +73,8 @@ ENGINES: dict[str, dict[str, Any]] = {
                           "phases": ["logprobs", "repeat", "greedy", "prefix", "preempt"], "expect_s": 75},
     "flashmla_fp8_ds_mla": {"backend": "FLASHMLA_SPARSE", "kv": "fp8_ds_mla",
                             "attention_config": {"sparse_mla_force_mqa": True},
-                            "phases": ["logprobs", "greedy"], "expect_s": 70},
-    "triton_auto": {"backend": "TRITON_MLA_SPARSE", "kv": "auto", "phases": ["logprobs", "greedy"],
+                            "phases": ["logprobs", "greedy", "prefix"], "expect_s": 70},
+    "triton_auto": {"backend": "TRITON_MLA_SPARSE", "kv": "auto", "phases": ["logprobs", "greedy", "prefix"],
                     "expect_s": 50},
     "triton_fp8": {"backend": "TRITON_MLA_SPARSE", "kv": "fp8", "phases": ["logprobs", "greedy"],
                    "expect_s": 50},
@@ -658,20 +659,47 @@ def evaluate(results: dict[str, Any], arrays: dict[str, Any]) -> list[dict[str, 
     base_kl = next((r["mean_kl"] for r in e1.get("records", [])), None)
     rp = e1.get("repeat")
     # vLLM is not batch-invariant here: the same prompts run twice in one engine, batched
-    # differently, already differ (first H200 run: KL 1.6e-3 between runs, 3 of 8 prompts
-    # bitwise identical). A cached prefix must not add to that: its KL to a clean run is held to
-    # the engine's own run-to-run KL (x2), or to 1/4 of the format's error, whichever is larger.
+    # differently, already differ (H200: KL 0.6-1.6e-3 between runs, 2-3 of 8 prompts not bitwise
+    # identical), and a prefix computed in another request's prefill differs in its last bf16 bits
+    # (GEMMs of another M), which FP8 rounding can amplify. So a cached prefix is held to what the
+    # same procedure gives on FLASHMLA_SPARSE (upstream's cache writer and kernel, same format):
+    # mean KL(clean || cached) no larger than its value + 2 combined standard errors. Without that
+    # engine: to the engine's own run-to-run KL (x2) or 1/4 of the format's error.
     repeat_kl = (rp or {}).get("mean_kl_between_runs")
+    yard = ((eng.get("flashmla_fp8_ds_mla") or {}).get("prefix_cache") or {}).get("requests")
     if pc:
-        worst = max((r["kl_clean_vs_cached"] for r in pc["requests"]), default=None)
+        kls = [r["kl_clean_vs_cached"] for r in pc["requests"]]
+        worst = max(kls, default=None)
         cached = all(r["num_cached_tokens"] >= PREFIX_LEN - 64 for r in pc["requests"])
-        bound = None if base_kl is None else max(0.25 * base_kl, 2 * (repeat_kl or 0.0))
-        ok = bool(cached and worst is not None and bound is not None and worst <= bound)
-        add("prefix cache: a shared prefix served from the cache gives the log-probs of a clean run "
-            "(KL between them <= max(1/4 of the format's KL to the reference, 2x the engine's "
-            "run-to-run KL), prefix hit)", ok,
-            {"worst_kl": worst, "format_kl": base_kl, "repeat_kl": repeat_kl, "bound": bound,
-             "requests": pc["requests"]}, "issue 5 (verification 3)")
+        mine = _mean_se(kls)
+        detail = {"worst_kl": worst, "mean_kl": mine[0], "mean_kl_se": mine[1], "format_kl": base_kl,
+                  "repeat_kl": repeat_kl, "requests": pc["requests"]}
+        if yard:
+            ref = _mean_se([r["kl_clean_vs_cached"] for r in yard])
+            bound = ref[0] + 2 * (mine[1] ** 2 + ref[1] ** 2) ** 0.5
+            ok = bool(cached and mine[0] is not None and mine[0] <= bound
+                      and all(r["num_cached_tokens"] >= PREFIX_LEN - 64 for r in yard))
+            detail.update({"flashmla_mean_kl": ref[0], "flashmla_mean_kl_se": ref[1], "bound": bound,
+                           "flashmla_requests": yard})
+            name = ("prefix cache: a shared prefix served from the cache vs a clean run, mean KL no "
+                    "larger than FLASHMLA_SPARSE's under the same procedure (+ 2 SE), prefix hit")
+        else:
+            bound = None if base_kl is None else max(0.25 * base_kl, 2 * (repeat_kl or 0.0))
+            ok = bool(cached and worst is not None and bound is not None and worst <= bound)
+            detail["bound"] = bound
+            name = ("prefix cache: a shared prefix served from the cache gives the log-probs of a clean "
+                    "run (KL between them <= max(1/4 of the format's KL to the reference, 2x the "
+                    "engine's run-to-run KL), prefix hit)")
+        add(name, ok, detail, "issue 5 (verification 3)")
+    for other in ("triton_auto", "flashmla_fp8_ds_mla"):
+        opc = (eng.get(other) or {}).get("prefix_cache")
+        if opc:
+            kls = [r["kl_clean_vs_cached"] for r in opc["requests"]]
+            m, se = _mean_se(kls)
+            add(f"prefix cache on {other}: mean KL(clean || cached) (info)", None,
+                {"mean_kl": m, "mean_kl_se": se, "worst_kl": max(kls),
+                 "bitwise_identical": sum(r["bitwise_identical"] for r in opc["requests"]),
+                 "n": len(kls)}, "harness (info)")
     pr = e1.get("preempt")
     if pr:
         cmp = pr["comparison"]
@@ -685,6 +713,17 @@ def evaluate(results: dict[str, Any], arrays: dict[str, Any]) -> list[dict[str, 
         add("determinism: set A twice in one engine gives the same log-probs (info)",
             rp["bitwise_identical_prompts"] == rp["prompts"], rp, "harness (info)")
     return crit
+
+
+def _mean_se(xs: list[float]) -> tuple[float | None, float]:
+    """Mean and its standard error (0 for fewer than two values)."""
+    if not xs:
+        return None, 0.0
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, (var / len(xs)) ** 0.5
 
 
 def summary_table(results: dict[str, Any]) -> str:

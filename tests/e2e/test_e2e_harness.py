@@ -256,6 +256,35 @@ def test_evaluate_flags_no_preemption_and_a_prefix_miss():
     assert [v for k, v in by.items() if k.startswith("prefix cache")] == [False]
 
 
+def _prefix_requests(kls):
+    return [{"num_cached_tokens": E.PREFIX_LEN, "kl_clean_vs_cached": k, "top1_agree": 0.99,
+             "bitwise_identical": False} for k in kls]
+
+
+def test_prefix_criterion_uses_flashmla_under_the_same_procedure():
+    results, arrays = _synthetic(1.0e-3, 1.0e-3, 0.3e-3, 1.1e-3, 0.25e-3)
+    e1 = results["engines"]["triton_fp8_ds_mla"]
+    results["engines"]["flashmla_fp8_ds_mla"] = {"prefix_cache": {"requests": _prefix_requests(
+        [1.5e-3, 1.7e-3, 1.4e-3, 1.6e-3])}}
+
+    def prefix_verdict():
+        crit = [c for c in E.evaluate(results, arrays) if c["criterion"].startswith("prefix cache:")]
+        assert len(crit) == 1 and "FLASHMLA_SPARSE" in crit[0]["criterion"]
+        return crit[0]
+
+    # as close as upstream's backend (above the old run-to-run bound, which is not the yardstick)
+    e1["prefix_cache"]["requests"] = _prefix_requests([1.5e-3, 1.8e-3, 1.4e-3, 1.6e-3])
+    assert prefix_verdict()["pass"] is True
+    # clearly worse than upstream's: a cache write that loses information
+    e1["prefix_cache"]["requests"] = _prefix_requests([4.0e-3, 4.4e-3, 3.9e-3, 4.2e-3])
+    verdict = prefix_verdict()
+    assert verdict["pass"] is False and verdict["detail"]["mean_kl"] > verdict["detail"]["bound"]
+    # a prefix miss fails whatever the KL
+    e1["prefix_cache"]["requests"] = _prefix_requests([1.5e-3, 1.5e-3])
+    e1["prefix_cache"]["requests"][1]["num_cached_tokens"] = 0
+    assert prefix_verdict()["pass"] is False
+
+
 def test_summary_table_lists_failed_engines():
     results, _ = _synthetic(1.0e-3, 1.0e-3, 0.3e-3, 1.1e-3, 0.25e-3)
     results["engines"]["flashmla_fp8_ds_mla"] = {"spec": {"backend": "FLASHMLA_SPARSE", "kv": "fp8_ds_mla"},
