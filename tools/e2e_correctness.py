@@ -668,24 +668,22 @@ def evaluate(results: dict[str, Any], arrays: dict[str, Any]) -> list[dict[str, 
     repeat_kl = (rp or {}).get("mean_kl_between_runs")
     yard = ((eng.get("flashmla_fp8_ds_mla") or {}).get("prefix_cache") or {}).get("requests")
     if pc:
-        kls = [r["kl_clean_vs_cached"] for r in pc["requests"]]
-        worst = max(kls, default=None)
-        cached = all(r["num_cached_tokens"] >= PREFIX_LEN - 64 for r in pc["requests"])
-        mine = _mean_se(kls)
-        detail = {"worst_kl": worst, "mean_kl": mine[0], "mean_kl_se": mine[1], "format_kl": base_kl,
-                  "repeat_kl": repeat_kl, "requests": pc["requests"]}
+        mine = _prefix_stats(pc["requests"])
+        worst = mine["worst_kl"]
+        detail = {"worst_kl": worst, "mean_kl": mine["mean_kl"], "mean_kl_se": mine["mean_kl_se"],
+                  "format_kl": base_kl, "repeat_kl": repeat_kl, "requests": pc["requests"]}
         if yard:
-            ref = _mean_se([r["kl_clean_vs_cached"] for r in yard])
-            bound = ref[0] + 2 * (mine[1] ** 2 + ref[1] ** 2) ** 0.5
-            ok = bool(cached and mine[0] is not None and mine[0] <= bound
-                      and all(r["num_cached_tokens"] >= PREFIX_LEN - 64 for r in yard))
-            detail.update({"flashmla_mean_kl": ref[0], "flashmla_mean_kl_se": ref[1], "bound": bound,
-                           "flashmla_requests": yard})
+            ref = _prefix_stats(yard)
+            bound = ref["mean_kl"] + 2 * (mine["mean_kl_se"] ** 2 + ref["mean_kl_se"] ** 2) ** 0.5
+            ok = bool(mine["hit"] and ref["hit"] and mine["mean_kl"] is not None
+                      and mine["mean_kl"] <= bound)
+            detail.update({"flashmla_mean_kl": ref["mean_kl"], "flashmla_mean_kl_se": ref["mean_kl_se"],
+                           "bound": bound, "flashmla_requests": yard})
             name = ("prefix cache: a shared prefix served from the cache vs a clean run, mean KL no "
                     "larger than FLASHMLA_SPARSE's under the same procedure (+ 2 SE), prefix hit")
         else:
             bound = None if base_kl is None else max(0.25 * base_kl, 2 * (repeat_kl or 0.0))
-            ok = bool(cached and worst is not None and bound is not None and worst <= bound)
+            ok = bool(mine["hit"] and worst is not None and bound is not None and worst <= bound)
             detail["bound"] = bound
             name = ("prefix cache: a shared prefix served from the cache gives the log-probs of a clean "
                     "run (KL between them <= max(1/4 of the format's KL to the reference, 2x the "
@@ -694,12 +692,11 @@ def evaluate(results: dict[str, Any], arrays: dict[str, Any]) -> list[dict[str, 
     for other in ("triton_auto", "flashmla_fp8_ds_mla"):
         opc = (eng.get(other) or {}).get("prefix_cache")
         if opc:
-            kls = [r["kl_clean_vs_cached"] for r in opc["requests"]]
-            m, se = _mean_se(kls)
+            st = _prefix_stats(opc["requests"])
             add(f"prefix cache on {other}: mean KL(clean || cached) (info)", None,
-                {"mean_kl": m, "mean_kl_se": se, "worst_kl": max(kls),
+                {"mean_kl": st["mean_kl"], "mean_kl_se": st["mean_kl_se"], "worst_kl": st["worst_kl"],
                  "bitwise_identical": sum(r["bitwise_identical"] for r in opc["requests"]),
-                 "n": len(kls)}, "harness (info)")
+                 "n": len(opc["requests"])}, "harness (info)")
     pr = e1.get("preempt")
     if pr:
         cmp = pr["comparison"]
@@ -713,6 +710,15 @@ def evaluate(results: dict[str, Any], arrays: dict[str, Any]) -> list[dict[str, 
         add("determinism: set A twice in one engine gives the same log-probs (info)",
             rp["bitwise_identical_prompts"] == rp["prompts"], rp, "harness (info)")
     return crit
+
+
+def _prefix_stats(requests: list[dict]) -> dict[str, Any]:
+    """KL(clean || cached) over a prefix-cache phase's requests: mean, its SE, worst, and whether
+    every request was really served its prefix from the cache."""
+    kls = [r["kl_clean_vs_cached"] for r in requests]
+    mean, se = _mean_se(kls)
+    return {"mean_kl": mean, "mean_kl_se": se, "worst_kl": max(kls, default=None),
+            "hit": all(r["num_cached_tokens"] >= PREFIX_LEN - 64 for r in requests)}
 
 
 def _mean_se(xs: list[float]) -> tuple[float | None, float]:
