@@ -70,18 +70,39 @@ def glm5_model_dir(tmp_path_factory, vllm_module):
     return d
 
 
-@pytest.fixture(scope="session")
-def glm5_model_config(glm5_model_dir):
-    """vLLM's ModelConfig for the full GLM-5 config, built on the CPU platform (model
+def _model_config(directory):
+    """vLLM's ModelConfig for the config.json in `directory`, built on the CPU platform (model
     inspection imports attention modules that need the CUDA binaries on a CUDA platform)."""
     from vllm.config import ModelConfig
 
     return ModelConfig(
-        model=str(glm5_model_dir),
-        tokenizer=str(glm5_model_dir),
+        model=str(directory),
+        tokenizer=str(directory),
         skip_tokenizer_init=True,
         dtype="bfloat16",
     )
+
+
+@pytest.fixture(scope="session")
+def glm5_model_config(glm5_model_dir):
+    """vLLM's ModelConfig for the full GLM-5 config."""
+    return _model_config(glm5_model_dir)
+
+
+@pytest.fixture(scope="session")
+def glm5_variant(tmp_path_factory, vllm_module):
+    """`make(name, **fields)`: vLLM's ModelConfig for GLM-5's config.json with `fields` added
+    (e.g. GLM-5.2's IndexCache fields), one per name."""
+    made = {}
+
+    def make(name: str, **fields):
+        if name not in made:
+            d = tmp_path_factory.mktemp(name)
+            (d / "config.json").write_text(json.dumps({**glm5_config_dict(), **fields}))
+            made[name] = _model_config(d)
+        return made[name]
+
+    return make
 
 
 @pytest.fixture

@@ -17,14 +17,11 @@ Model modules are imported on this machine's own platform before the CUDA platfo
 
 from __future__ import annotations
 
-import json
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 
-GLM5_CONFIG = Path(__file__).resolve().parents[1] / "data" / "glm-5-config.json"
 BACKEND = "TRITON_MLA_SPARSE"
 NUM_LAYERS = 78  # GLM-5 / GLM-5.2 backbone; layer 78 is the MTP (nextn) layer
 MTP_LAYER = NUM_LAYERS
@@ -76,26 +73,6 @@ def model_modules(vllm_module):
 
         mods.update(v32_attention=v32_attention, index_group=index_group)
     return mods
-
-
-@pytest.fixture(scope="module")
-def glm5_variant(tmp_path_factory, vllm_module):
-    """vLLM ModelConfig for GLM-5's config.json with some fields added (e.g. GLM-5.2's)."""
-    from vllm.config import ModelConfig
-
-    made = {}
-
-    def make(name: str, **fields):
-        if name not in made:
-            d = tmp_path_factory.mktemp(name)
-            base = json.loads(GLM5_CONFIG.read_text())
-            (d / "config.json").write_text(json.dumps({**base, **fields}))
-            made[name] = ModelConfig(
-                model=str(d), tokenizer=str(d), skip_tokenizer_init=True, dtype="bfloat16"
-            )
-        return made[name]
-
-    return make
 
 
 # --------------------------------------------------------------------------- fp32 router
