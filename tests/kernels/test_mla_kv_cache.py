@@ -79,7 +79,12 @@ def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary
         else:
             want = src.clamp(-448 * ks, 448 * ks)  # beyond 448 * k_scale the e4m3 value saturates
             err = (got - want).abs()
-            assert bool((err <= torch.maximum(want.abs() / 16, torch.full_like(src, ks * 2.0 ** -10))).all())
+            # The writer divides by k_scale in fp32 and the cache dequantizes with the fp32 k_scale:
+            # half an e4m3 step of ks32, plus the fp32 division's rounding (an x / k_scale just
+            # below a rounding tie can land on it: seed 257467233 did, 1e-11 past ks * 2^-10).
+            ks32 = float(torch.tensor(ks, dtype=torch.float32))
+            lim = torch.maximum(want.abs() / 16, torch.full_like(src, ks32 * 2.0 ** -10)) + want.abs() * 2.0 ** -22
+            assert bool((err <= lim).all())
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "auto"])
