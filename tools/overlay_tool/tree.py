@@ -35,8 +35,9 @@ BACKUP_REF = "refs/glm5-overlay/before-rebuild"  # HEAD before `apply --rebuild`
 OVERLAY_TRAILER = "Glm5-Overlay"
 WHEEL_TRAILER = "Wheel-Sha256"
 # Fault injection for the tests (tests/tool/test_recovery.py): GLM5_OVERLAY_FAULT=<point>[:sigkill].
-# Points: after-patch-<n>, before-checkout, checkout-partial (leaves part of the switch unwritten),
-# after-checkout, before-restore.
+# Points: baseline-imported, after-patch-<n>, before-checkout, checkout-partial (leaves part of the
+# switch unwritten), after-checkout, before-restore, during-pack (build, while `wheel pack` runs).
+# <how>: raise KeyboardInterrupt (default) or send the process sigkill / sigterm / sighup.
 FAULT_ENV = "GLM5_OVERLAY_FAULT"
 
 FORMAT_PATCH_OPTS = [
@@ -68,8 +69,9 @@ def _fault(point: str) -> None:
     name, _, how = spec.partition(":")
     if name != point:
         return
-    if how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if how in ("sigkill", "sigterm", "sighup"):
+        os.kill(os.getpid(), getattr(signal, how.upper()))
+        time.sleep(5)  # the handler (SIGTERM/SIGHUP: safety.handle_signals) raises here
     raise KeyboardInterrupt(f"fault injected at {point}")
 
 
@@ -114,6 +116,7 @@ def create_baseline(dest: Path, pin: Pin, wheel: Path, checkout: bool = True, bi
     with owned_tempdir(dest.name + ".tmp-", dest.parent) as tmp:
         g = Git.init(tmp, pin.branch)
         _fast_import(g, pin, wheel, binaries)
+        _fault("baseline-imported")
         if checkout:
             with progress(total=1, desc="checking out baseline", unit="tree"):
                 g.run("read-tree", "-u", "--reset", "HEAD")
@@ -439,6 +442,10 @@ class Tree:
             return sim
         mismatch = self.first_mismatch(commits, patches)
         if mismatch is not None:
+            try:  # a series that does not apply to a fresh baseline is named as such (patch and hunk)
+                self.simulate(self.base, patches, overlay)
+            except PatchError as fresh:
+                raise self._fresh(fresh) from None
             raise RefusedError(self._mismatch_message(mismatch, commits, patches, state))
         try:
             sim = self.simulate(start, patches, overlay)
@@ -489,14 +496,16 @@ class Tree:
         try:
             self.simulate(self.base, patches, overlay)
         except PatchError as fresh:
-            return PatchError(str(fresh).replace(f"does not apply to {self.path}:",
-                                                 f"does not apply to a fresh {self.pin.tag} tree:", 1))
+            return self._fresh(fresh)
         return RefusedError(
             f"patches/{self.pin.version} applies to a fresh {self.pin.tag} tree but not on top of this tree's "
             f"commits ({err}); the tree holds commits that patches/ does not have.\n"
             f"to keep the tree: `tools/apply.py refresh`; to keep patches/{self.pin.version}: "
             f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})"
         )
+
+    def _fresh(self, err: PatchError) -> PatchError:
+        return PatchError(str(err).replace(f"does not apply to {self.path}:", f"does not apply to a fresh {self.pin.tag} tree:", 1))
 
     # ----------------------------------------------------------- sync record
     def read_sync(self) -> dict | None:
