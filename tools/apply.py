@@ -67,6 +67,8 @@ try:
     import wheel  # noqa: F401
 except ModuleNotFoundError as e:
     _bootstrap(e.name)
+except ImportError as e:  # GitPython is there but finds no git executable
+    sys.exit(f"error: git is not installed or not on PATH (GitPython: {str(e).splitlines()[0]})")
 
 from overlay_tool.cli import main  # noqa: E402
 

@@ -90,6 +90,17 @@ def test_refresh_refuses_a_tree_mid_recovery_and_keeps_every_patch(proj_with_pat
     assert _files(p.patches("9.9.0")) == before_patches
 
 
+def test_a_recovery_killed_halfway_is_finished_by_the_next_command(proj_with_patch):
+    p = proj_with_patch
+    t, before = _killed_apply(p)
+    r = p.run("recover", env={"GLM5_OVERLAY_FAULT": "mid-restore:sigkill"})
+    assert r.returncode == -signal.SIGKILL
+    # the branch is back at the baseline while the files are still the apply's: ours, so restorable
+    assert git(t, "rev-parse", "HEAD") == before["head"] and git(t, "status", "--porcelain") != ""
+    r = p.run("recover", check_rc=0)
+    assert "restored overlay/9.9.0" in r.out and snapshot(t) == before and not (t / JOURNAL).exists()
+
+
 def test_a_journal_naming_a_live_unrelated_pid_does_not_block(proj_with_patch):
     p = proj_with_patch
     t, _ = _killed_apply(p)
@@ -440,3 +451,9 @@ def test_subcommand_help_has_a_description_and_only_its_options(proj):
     assert "--work" not in opts and "--checkout" not in opts and "--venv" in opts and "--deps" in opts
     _, opts = options("fetch")
     assert "--venv" not in opts and "--wheel-cache" in opts
+
+
+def test_a_dry_run_takes_no_lock_and_makes_no_work_folder(proj):
+    p = proj
+    r = p.run("--dry-run", "apply", check_rc=0)
+    assert "would create" in r.out and not (p.root / "work").exists()

@@ -372,7 +372,7 @@ def run(ns: argparse.Namespace) -> int:
     if verb == "check":
         return cmd_check(ctx)
     pin = ctx.pin
-    if verb in WRITES_TREE and not (ctx.dry_run and verb != "all"):
+    if verb in WRITES_TREE and not ctx.dry_run:  # a dry run writes nothing: no lock, no work/ folder
         from .safety import TreeLock
         from .tree import lock_path
 

@@ -36,7 +36,8 @@ OVERLAY_TRAILER = "Glm5-Overlay"
 WHEEL_TRAILER = "Wheel-Sha256"
 # Fault injection for the tests (tests/tool/test_recovery.py): GLM5_OVERLAY_FAULT=<point>[:sigkill].
 # Points: baseline-imported, after-patch-<n>, before-checkout, checkout-partial (leaves part of the
-# switch unwritten), after-checkout, before-restore, during-pack (build, while `wheel pack` runs).
+# switch unwritten), after-checkout, mid-restore (recovery: branch moved back, files not yet),
+# during-pack (build, while `wheel pack` runs).
 # <how>: raise KeyboardInterrupt (default) or send the process sigkill / sigterm / sighup.
 FAULT_ENV = "GLM5_OVERLAY_FAULT"
 
@@ -474,6 +475,8 @@ class Tree:
         keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (re-applies the series from {self.pin.tag}; "
                 f"the old HEAD is kept as {BACKUP_REF}); to keep the tree: `tools/apply.py refresh --force` "
                 f"(overwrites patches/{v} with the tree's commits)")
+        if state == "patches-newer" and not (self.read_sync() or {}).get("exported"):
+            state = "both"  # the tree also held commits that were never exported
         if state == "patches-newer":
             why = f"patches/{v} was edited after this tree was last applied/refreshed, and the tree has not changed since"
             keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (the tree holds nothing patches/ lacked); "
@@ -483,7 +486,8 @@ class Tree:
             keep = (f"to keep the tree: `tools/apply.py refresh` (exports the commits); to drop the tree's changes: "
                     f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})")
         elif state == "both":
-            why = f"both patches/{v} and the tree's commits changed since the tree was last applied/refreshed"
+            why = (f"patches/{v} was edited after the tree was last applied/refreshed, and the tree holds commits "
+                   f"that patches/{v} does not have")
             keep = (f"nothing chooses for you: save one side first; `tools/apply.py refresh --force` keeps the tree "
                     f"(overwrites patches/{v}), `tools/apply.py apply --rebuild --force` keeps patches/{v} "
                     f"(old HEAD kept as {BACKUP_REF})")
@@ -656,16 +660,18 @@ class Tree:
         problems += [f"{p}: changed, not by the interrupted apply" for p in foreign]
         mine = [p for p in dirty if p in ours]
         if mine:
+            lit = {"GIT_LITERAL_PATHSPECS": "1"}  # file names are not patterns
+
             def blobs(commit):
                 res = {}
-                for line in g.out("ls-tree", "-r", commit, "--", *mine).splitlines():
+                for line in g.out("ls-tree", "-r", commit, "--", *mine, env=lit).splitlines():
                     meta, path = line.split("\t", 1)
                     res[path] = meta.split()[2]
                 return res
 
             allowed_o, allowed_t = blobs(orig), blobs(target)
             idx = {}
-            for line in g.out("ls-files", "-s", "--", *mine).splitlines():
+            for line in g.out("ls-files", "-s", "--", *mine, env=lit).splitlines():
                 meta, path = line.split("\t", 1)
                 idx[path] = meta.split()[1]
             present = [p for p in mine if (self.path / p).is_file() and not (self.path / p).is_symlink()]
@@ -716,11 +722,11 @@ class Tree:
                 raise RefusedError(f"{lock} is held by a running process (pid {', '.join(map(str, pids))}); "
                                    f"wait for it to finish, then run the command again")
             lock.unlink()  # left by a git that this tool ran and that died with it
-        _fault("before-restore")
         g = self.g
         orig, branch = j["orig_head"], j.get("orig_branch")
         if branch:
             g.run("update-ref", f"refs/heads/{branch}", orig)
+            _fault("mid-restore")
             g.run("checkout", "-q", "-f", branch)
         else:
             g.run("checkout", "-q", "-f", "--detach", orig)
