@@ -69,7 +69,10 @@ def test_recovery_refuses_to_drop_a_commit_made_after_the_kill(proj_with_patch):
     r = p.run("apply", check_rc=5)
     assert "commits or a checkout since" in r.out
     r = p.run("recover", check_rc=5)
+    patches_before = _files(p.patches("9.9.0"))
+    r = p.run("refresh", check_rc=5)
     assert git(t, "rev-parse", "HEAD") == mine and (t / JOURNAL).exists()
+    assert _files(p.patches("9.9.0")) == patches_before
 
 
 def test_refresh_refuses_a_tree_mid_recovery_and_keeps_every_patch(proj_with_patch):
@@ -457,3 +460,20 @@ def test_a_dry_run_takes_no_lock_and_makes_no_work_folder(proj):
     p = proj
     r = p.run("--dry-run", "apply", check_rc=0)
     assert "would create" in r.out and not (p.root / "work").exists()
+
+
+def test_two_concurrent_first_applies_make_one_tree(proj_with_patch):
+    p = proj_with_patch
+    import shutil
+
+    cmd = [sys.executable, str(TOOL), "--project", str(p.root), "--wheel-cache", str(p.cache), "apply"]
+    for _ in range(2):
+        shutil.rmtree(p.root / "work")
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outs = [pr.communicate(timeout=120)[0] for pr in procs]
+        rcs = sorted(pr.returncode for pr in procs)
+        assert rcs in ([0, 0], [0, 5]), (rcs, outs)
+        assert not any("Traceback" in o for o in outs), outs
+        t = p.tree("9.9.0")
+        assert git(t, "status", "--porcelain") == "" and "value_20 = 'twenty'" in (t / "vllm/model.py").read_text()
+        assert not list(t.parent.glob("tree.tmp-*"))
