@@ -335,6 +335,8 @@ def test_temporary_tree_of_a_killed_first_apply_is_removed(proj):
     r = p.run("apply", env={"GLM5_OVERLAY_FAULT": "baseline-imported:sigkill"})
     assert r.returncode == -signal.SIGKILL
     assert [x for x in work.glob("tree.tmp-*") if x.is_dir()] and not p.tree("9.9.0").exists()
+    r = p.run("status", check_rc=0)  # any command of the pin cleans up after the killed one
+    assert "left by a run that was killed" in r.out and not list(work.glob("tree.tmp-*"))
     p.run("apply", check_rc=0)
     assert not list(work.glob("tree.tmp-*")) and p.tree("9.9.0").is_dir()
 
