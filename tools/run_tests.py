@@ -4,7 +4,7 @@
 On a fresh CPU machine it makes what the tests need and runs them, stopping at the first failure:
 
   1. venv .venv-test/main: CPU torch 2.13.0, triton of the default pin (pins.lock), the tool's
-     dependencies and test extras (pyproject.toml)    -> pytest tests/
+     dependencies and test extras (pyproject.toml)    -> pytest tests/ e2e/tests/
   2. venv .venv-test/triton-<pin>: CPU torch 2.13.0 + triton of the newest pin
                                                       -> pytest tests/kernels/test_sm120_compile.py
   3. tools/apply.py check (every pin: apply to a fresh tree, re-export, compare)
@@ -120,7 +120,7 @@ def main() -> int:
 
     def s1():
         main_py.append(venv("main", tests_req))
-        run([str(main_py[0]), "-m", "pytest", "-p", "no:cacheprovider", "tests/"], env=clean_env())
+        run([str(main_py[0]), "-m", "pytest", "-p", "no:cacheprovider", "tests/", "e2e/tests/"], env=clean_env())
 
     def s2():
         compile_test = REPO / "tests" / "kernels" / "test_sm120_compile.py"
@@ -130,7 +130,7 @@ def main() -> int:
         py = venv(f"triton-{newest}", [CPU_TORCH, f"triton{table[newest]['triton']}", "numpy", "pytest", "hypothesis"])
         run([str(py), "-m", "pytest", "-p", "no:cacheprovider", "tests/kernels/test_sm120_compile.py"], env=clean_env())
 
-    ok = step("1. pytest tests/ (torch 2.13.0 CPU, triton " + table[default]["triton"] + ")", s1)
+    ok = step("1. pytest tests/ e2e/tests/ (torch 2.13.0 CPU, triton " + table[default]["triton"] + ")", s1)
     if ok or args.keep_going:
         ok = step(f"2. SM120 compile check (triton {table[newest]['triton']})", s2) and ok
     if not args.skip_vllm and (ok or args.keep_going):
