@@ -9,19 +9,9 @@ slots its DSA indexer selected::
     lse[t, h]   = log(sum_j exp(s[t, h, j]))                                 (natural log)
 
 The KV cache is read in place, in its stored format, one token row per selected index; nothing is
-cast or gathered into a temporary copy. Supported formats (vLLM's ``kv_cache_dtype``):
-
-=================  =====  ================================================================
-format             bytes  one token row
-=================  =====  ================================================================
-``fp8_ds_mla``     656    512 x e4m3 latent, 4 x fp32 scales (one per 128 latent values),
-                          64 x 16-bit rope (the model dtype: bf16 for GLM-5 / DeepSeek)
-``fp8``            576    576 x e4m3 = value / k_scale (one fp32 k_scale per layer)
-``fp8_e4m3``              same as ``fp8``
-``auto``           1152   576 x model dtype (bf16 or fp16; must equal q's dtype)
-``bfloat16``              same as ``auto`` with bf16
-``float16``               same as ``auto`` with fp16
-=================  =====  ================================================================
+cast or gathered into a temporary copy. The formats (vLLM's ``kv_cache_dtype``: ``fp8_ds_mla``
+656 B/token, ``fp8``/``fp8_e4m3`` 576 B/token, ``auto``/``bfloat16``/``float16`` 1152 B/token)
+and their aliases, row layouts and scale placement are defined once in ``mla_kv_format.py``.
 
 Conventions (shared with ``docs/CONVENTIONS.md``):
 
@@ -62,59 +52,34 @@ import triton.language as tl
 __all__ = [
     "sparse_mla_decode",
     "sparse_mla_decode_reference",
-    "kv_format_info",
     "SM120_COMPILE_SPECS",
 ]
 
-LATENT_DIM = 512  # kv_lora_rank: V width and the quantized part of K
-ROPE_DIM = 64  # qk_rope_head_dim
-HEAD_DIM = LATENT_DIM + ROPE_DIM  # 576: K width (absorbed q width)
-DS_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
-DS_ROW_BYTES = LATENT_DIM + 4 * 4 + ROPE_DIM * 2  # 656
+if __package__:
+    from . import mla_kv_format as _kvf
+else:  # loaded by file path, without its package (tools/sm120_check.py)
+    import importlib.util as _ilu
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _kvf = _sys.modules.get("_glm5_mla_kv_format")
+    if _kvf is None:
+        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
+        _kvf = _ilu.module_from_spec(_spec)
+        _sys.modules["_glm5_mla_kv_format"] = _kvf
+        _spec.loader.exec_module(_kvf)
+
+LATENT_DIM = _kvf.LATENT_DIM  # kv_lora_rank: V width and the quantized part of K
+ROPE_DIM = _kvf.ROPE_DIM  # qk_rope_head_dim
+HEAD_DIM = _kvf.HEAD_DIM  # 576: K width (absorbed q width)
+DS_GROUP = _kvf.DS_GROUP  # fp8_ds_mla: one fp32 scale per 128 latent values
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 # Kernel-side format codes (constexpr KV_FORMAT).
-_FMT_DS_MLA = 0
-_FMT_FP8 = 1
-_FMT_16BIT = 2
-
-_FORMAT_ALIASES = {
-    "fp8_ds_mla": _FMT_DS_MLA,
-    "fp8": _FMT_FP8,
-    "fp8_e4m3": _FMT_FP8,
-    "auto": _FMT_16BIT,
-    "bfloat16": _FMT_16BIT,
-    "bf16": _FMT_16BIT,
-    "float16": _FMT_16BIT,
-    "half": _FMT_16BIT,
-}
-
-
-def kv_format_info(kv_format: str, model_dtype: torch.dtype | None = None) -> tuple[int, int, torch.dtype]:
-    """Return ``(format_code, row_width, storage_dtype)`` of an MLA KV-cache format name.
-
-    ``row_width`` is in elements of ``storage_dtype`` (uint8 for the fp8 formats). ``model_dtype``
-    resolves ``auto``. Raises ``ValueError`` on an unknown name.
-    """
-    if kv_format not in _FORMAT_ALIASES:
-        raise ValueError(
-            f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMAT_ALIASES)}"
-        )
-    code = _FORMAT_ALIASES[kv_format]
-    if code == _FMT_DS_MLA:
-        return code, DS_ROW_BYTES, torch.uint8
-    if code == _FMT_FP8:
-        return code, HEAD_DIM, torch.uint8
-    if kv_format in ("bfloat16", "bf16"):
-        dt = torch.bfloat16
-    elif kv_format in ("float16", "half"):
-        dt = torch.float16
-    else:
-        if model_dtype is None:
-            raise ValueError("kv_format 'auto' needs the model dtype (q's dtype)")
-        dt = model_dtype
-    return code, HEAD_DIM, dt
+_FMT_DS_MLA = _kvf.FMT_DS_MLA
+_FMT_FP8 = _kvf.FMT_FP8
+_FMT_16BIT = _kvf.FMT_16BIT
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,34 +422,6 @@ def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, n
 # --------------------------------------------------------------------------------------------
 
 
-def _as_kv_view(kv_cache: torch.Tensor, code: int, q_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
-    if kv_cache.dim() == 4:
-        if kv_cache.shape[2] != 1:
-            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension")
-    _, width, storage = kv_format_info(kv_format, q_dtype)
-    if code == _FMT_16BIT:
-        if kv_cache.dtype != storage:
-            raise ValueError(f"kv_format {kv_format!r} needs a {storage} cache, got {kv_cache.dtype}")
-        if kv_cache.dtype != q_dtype:
-            raise ValueError(f"16-bit kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype}")
-    else:
-        if kv_cache.element_size() != 1:
-            raise ValueError(f"kv_format {kv_format!r} needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv_cache.dtype}")
-        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"kv_format {kv_format!r}: unsupported cache dtype {kv_cache.dtype}")
-        kv_cache = kv_cache.view(torch.uint8)
-    if kv_cache.shape[2] != width:
-        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
-    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned (scales are read as fp32)")
-    return kv_cache
-
-
 def sparse_mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -513,7 +450,7 @@ def sparse_mla_decode(
             token; ``>= num_blocks * block_size`` = out of range, treated as no token (see the
             module docstring). Any strides. Duplicates count once per occurrence.
         softmax_scale: the scale applied to q.k before the softmax (GLM-5: 256 ** -0.5).
-        kv_format: vLLM ``kv_cache_dtype`` name of the cache layout (see ``kv_format_info``).
+        kv_format: vLLM ``kv_cache_dtype`` name of the cache layout (see ``mla_kv_format.py``).
         k_scale: per-tensor scale of the ``fp8`` format (fp32 tensor with one element, read on the
             device, or a Python float); ignored by ``fp8_ds_mla`` (its scales are in the rows) and
             the 16-bit formats; defaults to 1.0.
@@ -534,8 +471,9 @@ def sparse_mla_decode(
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
-    code, _, _ = kv_format_info(kv_format, q.dtype)
-    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
+    fmt = _kvf.resolve_kv_format(kv_format, q.dtype)
+    code = fmt.code
+    kv = _kvf.check_kv_cache(kv_cache, fmt, q.dtype, kv_format)
     T, H, _ = q.shape
     if H < 1:
         raise ValueError("q needs at least one head")
@@ -646,21 +584,6 @@ def sparse_mla_decode(
 # --------------------------------------------------------------------------------------------
 
 
-def _dequantize_rows(rows: torch.Tensor, code: int, k_scale, rope_dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize gathered cache rows ``[..., W]`` to float64 ``[..., 576]`` (exact values)."""
-    if code == _FMT_DS_MLA:
-        rows = rows.contiguous()
-        lat = rows[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float64)
-        sc = rows[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32).to(torch.float64)
-        lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
-        rope = rows[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float64)
-        return torch.cat([lat, rope], dim=-1)
-    if code == _FMT_FP8:
-        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
-        return rows.contiguous().view(torch.float8_e4m3fn).to(torch.float64) * ks
-    return rows.to(torch.float64)
-
-
 def sparse_mla_decode_reference(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -676,8 +599,8 @@ def sparse_mla_decode_reference(
     computes the softmax in float64. Negative and out-of-range indices contribute nothing;
     duplicates count once per occurrence; a row with no valid index gives zeros and -inf.
     """
-    code, _, _ = kv_format_info(kv_format, q.dtype)
-    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
+    fmt = _kvf.resolve_kv_format(kv_format, q.dtype)
+    kv = _kvf.check_kv_cache(kv_cache, fmt, q.dtype, kv_format)
     nb, bs, w = kv.shape
     flat = kv.reshape(nb * bs, w)
     T, H, _ = q.shape
@@ -689,7 +612,7 @@ def sparse_mla_decode_reference(
         idx = idx_all[t0:t1]
         valid = (idx >= 0) & (idx < nb * bs)
         rows = flat[torch.where(valid, idx, 0)]  # [c, topk, W]
-        k = _dequantize_rows(rows, code, k_scale, q.dtype)  # [c, topk, 576] float64
+        k = _kvf.dequantize_rows(rows, fmt, k_scale)  # [c, topk, 576] float64
         qq = q[t0:t1].to(torch.float64)
         s = torch.einsum("chd,ckd->chk", qq, k) * float(softmax_scale)
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
