@@ -15,6 +15,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from .safety import child_kwargs, owned_tempdir
 from .project import VerifySpec
 from .tree import progress
 
@@ -182,7 +183,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
     """(b): in the installed environment, import vllm and the overlay's modules, check registrations."""
     payload = spec.to_json() if spec else {"imports": [], "attributes": []}
     payload["files"] = files
-    with tempfile.TemporaryDirectory(prefix="glm5-verify-") as td:
+    with owned_tempdir("glm5-verify-") as td:
         sp, op = Path(td) / "spec.json", Path(td) / "out.json"
         sp.write_text(json.dumps(payload))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -191,7 +192,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
         try:
             r = subprocess.run(
                 [str(python), "-c", _CHECKER, str(sp), str(op)], cwd=td, env=env,
-                capture_output=True, text=True, timeout=timeout,
+                capture_output=True, text=True, timeout=timeout, **child_kwargs(),
             )
         except subprocess.TimeoutExpired:
             return {"ok": False, "problems": [f"import checks did not finish in {timeout} s"], "checks": []}
@@ -228,7 +229,7 @@ def kernel_tests(python: Path, project_root: Path, tests_dir: Path, cuda: bool, 
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests_dir.relative_to(project_root))]
     t0 = time.time()
     try:
-        r = subprocess.run(cmd, cwd=project_root, env=env, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, cwd=project_root, env=env, capture_output=True, text=True, timeout=timeout, **child_kwargs())
     except subprocess.TimeoutExpired:
         return {"ok": False, "ran": True, "problems": [f"kernel tests did not finish in {timeout} s"]}
     tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
