@@ -23,9 +23,10 @@ Algorithm (two launches; the row's logits are read once from L2/HBM in the commo
 
 1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
    ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
-   are radix-selected in registers (16-bin ``tl.histogram`` per 4-bit digit) at the two ranks
-   ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they bound a window ``[lo, hi]`` that contains the
-   k-th largest value with overwhelming probability (``hi`` rounded up, ``lo`` down to 20 bits).
+   are radix-selected in registers (a ``2**BITS``-bin ``tl.histogram`` per ``BITS``-bit digit,
+   ``RADIX_BITS`` = 8 by default) at the two ranks ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they
+   bound a window ``[lo, hi]`` that contains the k-th largest value with overwhelming probability
+   (``hi`` rounded up, ``lo`` down, to the ``ceil(20 / BITS)`` leading digits).
    Then one streaming pass over the program's segment of the row: elements above ``hi`` are
    written out (their count must stay below ``k``), window elements are compacted in position
    order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
@@ -226,12 +227,18 @@ def _resolve_store(keys, idx, m, base, need, n_passes, out, BITS: tl.constexpr):
     pref, rr = _radix_select_desc(keys, m, need - 1, BITS * n_passes - BITS, n_passes, BITS)
     above = m & (keys > pref)
     eq = m & (keys == pref)
-    # one packed scan: #above in the low, #ties in the high 16 bits (rows hold <= CAP <= 16384);
     # the ties taken up to lane i are min(#ties so far, rr + 1) because ties are taken in order.
-    incl = tl.cumsum(above.to(tl.int32) | (eq.to(tl.int32) << 16), 0)
-    n_eq = incl >> 16
+    if keys.shape[0] <= 16384:
+        # one packed scan: #above in the low, #ties in the high bits (counts <= 16384 < 2**15,
+        # so the high half stays positive in int32)
+        incl = tl.cumsum(above.to(tl.int32) | (eq.to(tl.int32) << 16), 0)
+        n_eq = incl >> 16
+        n_above = incl & 0xFFFF
+    else:  # CAP > 16384 (k > 8192): the counts do not fit 16 bits, two scans
+        n_eq = tl.cumsum(eq.to(tl.int32), 0)
+        n_above = tl.cumsum(above.to(tl.int32), 0)
     sel = above | (eq & (n_eq <= rr + 1))
-    opos = base + (incl & 0xFFFF) + tl.minimum(n_eq, rr + 1) - 1
+    opos = base + n_above + tl.minimum(n_eq, rr + 1) - 1
     tl.store(out + opos, idx, mask=sel)
 
 
@@ -384,7 +391,8 @@ def _topk_merge_kernel(
             rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
             width = _to_u(hi) - lo_u
             npass = tl.full([], 1, tl.int32)
-            while (npass < 32 // BITS) & ((width >> (BITS * npass).to(tl.uint32)) != 0):
+            # (shift clamped to 31: a shift by 32 is undefined in LLVM even where npass stops the loop)
+            while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
                 npass += 1
             cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
             _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
