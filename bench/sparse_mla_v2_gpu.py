@@ -57,7 +57,7 @@ POOL_TOKENS = 1 << 20  # 1M tokens, 656 MB: far beyond the L2
 TIME_BUDGET_S = 270.0
 # per (row, head) tolerances against float64 (bf16 q, bf16-dequantized K, bf16 P)
 TOL_HEAD = {torch.bfloat16: 2.5e-2, torch.float16: 8e-3}
-TOL_LSE = 2e-2
+TOL_LSE = {torch.bfloat16: 1e-1, torch.float16: 3e-2}  # max |lse - ref|, as tests/kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,8 +191,8 @@ def check_call(name, fn, q, cache, idx, out, lse, failures, records, extra=None)
     tol = TOL_HEAD[q.dtype]
     if herr >= tol:
         probs.append(f"per-head relative error {herr:.3e} >= {tol}")
-    if lerr >= TOL_LSE:
-        probs.append(f"lse error {lerr:.3e} >= {TOL_LSE}")
+    if lerr >= TOL_LSE[q.dtype]:
+        probs.append(f"lse error {lerr:.3e} >= {TOL_LSE[q.dtype]}")
     rec = {"check": name, "head_rel_err": herr, "lse_abs_err": lerr, "ok": not probs, "problems": probs}
     if extra:
         rec.update(extra)

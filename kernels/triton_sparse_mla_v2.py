@@ -406,8 +406,9 @@ _SUPPORTED_MAJORS = (8, 9, 12)  # cp.async + mma.sync; 10.x (datacenter Blackwel
 
 
 @functools.lru_cache(maxsize=None)
-def _device_props(index: int) -> tuple[int, int, int]:
-    p = torch.cuda.get_device_properties(index)
+def _device_props(device: torch.device) -> tuple[int, int, int]:
+    """(major, minor, multiprocessor count) of a CUDA device, cached (no sync after the first call)."""
+    p = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
     return p.major, p.minor, p.multi_processor_count
 
 
@@ -445,7 +446,7 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
         return f"q dtype {q.dtype}"
     if not q.is_cuda:
         return "not a CUDA tensor (Gluon kernels do not run in the interpreter)"
-    major = _device_props(q.device.index if q.device.index is not None else torch.cuda.current_device())[0]
+    major = _device_props(q.device)[0]
     if major not in _SUPPORTED_MAJORS:
         return f"compute capability {major}.x: v2 runs on 8.x, 9.x and 12.x"
     return None
@@ -526,7 +527,7 @@ def sparse_mla_decode_v2(
     if T == 0:
         return out, lse
 
-    major, _, num_sms = _device_props(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    major, _, num_sms = _device_props(q.device)
     cfg = dict(pick_config_v2(H, major, T))
     if config:
         cfg.update(config)

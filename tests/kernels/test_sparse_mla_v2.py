@@ -28,6 +28,7 @@ GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 SCALE = 256 ** -0.5
 TOL_HEAD = {torch.bfloat16: 2.5e-2, torch.float16: 8e-3}  # per (row, head) relative L2 error
 TOL_ALL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}  # whole output (as tests/kernels/test_sparse_mla.py)
+TOL_LSE = {torch.bfloat16: 1e-1, torch.float16: 3e-2}  # max |lse - ref| (10 x TOL_ALL, as there)
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +135,94 @@ def test_v2_falls_back_to_v1_exactly(seed):
 
 
 # --------------------------------------------------------------------------------------------
+# CPU: the Gluon kernel's own body, emulated (tests/kernels/gluon_emulator.py)
+# --------------------------------------------------------------------------------------------
+
+def _cpu_cache(nb, bs, dtype, gen):
+    """fp8_ds_mla rows built in torch (0.26.0 writer math) on CPU."""
+    n = nb * bs
+    amp = torch.rand((n, 1), generator=gen) * 4 + 0.1
+    x = (torch.randn((n, 512), generator=gen) * amp).view(n, 4, 128)
+    sc = (x.abs().amax(dim=-1) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    lat = (x / sc[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, 512)
+    rope = torch.randn((n, 64), generator=gen).to(dtype).view(torch.uint8).reshape(n, 128)
+    return torch.cat([lat, sc.contiguous().view(torch.uint8).reshape(n, 16), rope], dim=1).view(nb, bs, 656)
+
+
+@pytest.fixture
+def emulated_v2(monkeypatch):
+    """sparse_mla_decode_v2 on CPU with the Gluon kernel emulated (the merge kernel runs in
+    Triton's interpreter) and the dispatch told it is on an SM120 part with 8 SMs."""
+    if not v2.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from tests.kernels.gluon_emulator import EmulatedLaunch
+
+    launch = EmulatedLaunch(v2, "_sparse_mla_v2_kernel")
+    monkeypatch.setattr(v2, "_sparse_mla_v2_kernel", launch)
+    monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(v2, "_device_props", lambda device: (12, 0, 8))
+    return launch
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_v2_conventions(emulated_v2, dtype, seed):
+    """The kernel body (ring order, masks, online softmax, splits, epilogue) against float64:
+    -1 / negative / out-of-range indices, an empty row, duplicates, topk not a multiple of the
+    tile, odd and even tile counts per split, H < 16, strided q / indices / out / lse."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 8, 16, 5, 5, 100
+    cache = _cpu_cache(nb, bs, dtype, gen)
+    big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
+    q = big[:, 1:1 + H, 10:10 + 576]
+    ib = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)
+    idx = ib[:, ::2]
+    idx[1] = -1
+    idx[2, :60] = 17
+    idx[3, :5] = nb * bs + 3
+    idx[3, 5:9] = -7
+    idx[4, 40:] = nb * bs
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    fin = torch.isfinite(rl)
+    for ns in (1, 2, 3, None):
+        out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1)
+        lse = torch.empty((H, T), dtype=torch.float32).t()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=ns, fallback=False)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+        assert torch.equal(torch.isfinite(lse), fin)
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
+        assert rel[fin].max().item() < TOL_HEAD[dtype], (ns, rel)
+        assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dtype]
+    assert emulated_v2.launches == 4
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+def test_emulated_v2_many_tiles(emulated_v2, seed):
+    """topk 2048 (64 tiles: the 2-stage ring wraps many times), H = 16, out in q's dtype, a
+    4-d cache view with a padded block stride; split and not split; zero-length top-k."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 64, 64, 16, 2, 2048
+    base = _cpu_cache(nb, bs, torch.bfloat16, gen)
+    padded = torch.zeros((nb, bs + 1, 1, 672), dtype=torch.uint8)
+    padded[:, :bs, 0, :656] = base
+    cache = padded[:, :bs, :, :656]
+    q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(nb * bs, generator=gen)[:topk] for _ in range(T)]).to(torch.int32)
+    idx[0, -300:] = -1
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    for ns in (1, 5):
+        out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=ns, fallback=False)
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+        assert rel.max().item() < TOL_HEAD[torch.bfloat16], rel.max()
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+    out, lse = v2.sparse_mla_decode_v2(q, cache, idx[:, :0], SCALE, "fp8_ds_mla", fallback=False)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: the v2 kernel itself
 # --------------------------------------------------------------------------------------------
 
@@ -172,7 +261,7 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
         err = ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
         assert err < TOL_ALL[q.dtype], f"relative error {err:.2e}"
         lerr = (lse.double()[fin] - rl[fin]).abs().max().item()
-        assert lerr < 2e-2, f"lse error {lerr:.2e}"
+        assert lerr < TOL_LSE[q.dtype], f"lse error {lerr:.2e}"
     return worst
 
 
@@ -257,7 +346,7 @@ def test_gpu_v2_matches_v1(seed):
     o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla")
     o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
     rel = (o1.double() - o2.double()).norm(dim=-1) / o1.double().norm(dim=-1)
-    assert rel.max().item() < 2e-2 and (l1 - l2).abs().max().item() < 1e-2
+    assert rel.max().item() < 2e-2 and (l1 - l2).abs().max().item() < TOL_LSE[torch.bfloat16]
 
 
 @pytest.mark.gpu
@@ -283,7 +372,7 @@ def test_gpu_v2_cuda_graph_capture(seed):
         ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
         rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
         assert rel.max().item() < TOL_HEAD[torch.bfloat16]
-        assert (lse.double() - rl).abs().max().item() < 2e-2
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
 
 
 @pytest.mark.gpu
