@@ -503,3 +503,42 @@ def test_a_real_sigkill_at_any_moment_is_recovered(proj_with_patch):
         assert git(t, "status", "--porcelain") == "" and not (t / JOURNAL).exists(), (frac, r.out)
         assert "value_20 = 'twenty'" in (t / "vllm/model.py").read_text()
         assert (t / "vllm/v1/attention/ops/triton_a.py").read_text() == "A = 1\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_childs_whole_process_group_ends_with_the_tool(tmp_path, sig):
+    """What the tool starts (and what that starts) runs in a process group the tool ends when it is
+    interrupted; a grandchild (here `sleep`, started by a shell) must not outlive it."""
+    pidfile = tmp_path / "grandchild.pid"
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tools')!r})\n"
+        "from overlay_tool.safety import handle_signals, run\n"
+        "handle_signals()\n"
+        f"run(['sh', '-c', 'sleep 300 & echo $! > {pidfile}; wait'])\n"
+    )
+    # no pipes: a surviving grandchild holding one open would make waiting for the tool hang
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    try:
+        os.kill(proc.pid, sig)  # the tool alone, as `kill PID` does (a terminal's Ctrl-C reaches only its group)
+        proc.wait(timeout=30)
+        for _ in range(100):
+            try:
+                os.kill(grandchild, 0)
+            except ProcessLookupError:
+                break
+            stat = Path(f"/proc/{grandchild}/stat")
+            if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # a zombie: ended, waiting to be reaped by its new parent
+            time.sleep(0.05)
+        else:
+            pytest.fail("the grandchild outlived the interrupted tool")
+    finally:
+        try:
+            os.kill(grandchild, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -16,7 +16,8 @@ from .errors import ExternalError, RefusedError, ToolError
 from .patches import FIXED_EPOCH, PatchFile
 from .pins import Pin
 from .project import OverlayFile, sha256_file
-from .safety import child_kwargs, owned_tempdir
+from .safety import child_kwargs, kill_group, owned_tempdir
+from .safety import run as run_child
 from .tree import Tree, _fault, progress
 
 LOCAL_TAG = "glm5"
@@ -160,8 +161,7 @@ def _pack(staging: Path, out: Path, total: int) -> None:
         _fault("during-pack")
         output, _ = proc.communicate()
     except BaseException:  # Ctrl-C / SIGTERM: no orphaned `wheel pack` writing on
-        proc.kill()
-        proc.wait()
+        kill_group(proc)
         raise
     finally:
         done.set()
@@ -192,7 +192,7 @@ def build_checkout(tree: Tree, pin: Pin, release_wheel: Path, version: str, out_
     with owned_tempdir("glm5-build-", out_dir) as td:
         full = cmd + [td] + (["--no-build-isolation"] if no_build_isolation else []) + [str(tree.path)]
         log(f"building {tree.path} with VLLM_USE_PRECOMPILED=1 against {release_wheel.name} ...")
-        r = subprocess.run(full, env=env, **child_kwargs())
+        r = run_child(full, env=dict(env, PIP_NO_INPUT="1"))
         if r.returncode != 0:
             raise ExternalError(f"{shlex.join(full)} failed (exit {r.returncode})")
         wheels = list(Path(td).glob("*.whl"))

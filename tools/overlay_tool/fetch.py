@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from .safety import child_kwargs, owned_tempdir
+from .safety import owned_tempdir
+from .safety import run as run_child
 from .errors import FetchError
 from .pins import Pin
 from .project import sha256_file
@@ -60,7 +60,7 @@ def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
             f"vllm=={pin.version}",
         ] + shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
         log(f"downloading vllm=={pin.version} with pip ...")
-        r = subprocess.run(cmd, **child_kwargs())
+        r = run_child(cmd, env=dict(os.environ, PIP_NO_INPUT="1"))  # its own process group: no terminal input
         if r.returncode != 0:
             raise FetchError(f"pip download of vllm=={pin.version} failed (exit {r.returncode}); command: {shlex.join(cmd)}")
         got = sorted(p.name for p in tmp.iterdir())

@@ -8,7 +8,7 @@ from pathlib import Path
 import git as gitpython  # GitPython
 
 from .errors import ExternalError
-from .safety import child_kwargs
+from .safety import run as run_child
 from .patches import AUTHOR_EMAIL, AUTHOR_NAME, FIXED_DATE
 
 # Options on every git call: the user's global/system config (diff.noprefix, commit.gpgsign,
@@ -84,14 +84,13 @@ class Git:
         user_config: bool = False,
     ) -> subprocess.CompletedProcess:
         cmd = ["git", *_BASE_CONFIG, *args]
-        r = subprocess.run(
+        r = run_child(
             cmd,
             cwd=cwd or self.worktree or self.git_dir,
             input=input,
             env=git_env(env, user_config),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            **child_kwargs(),
         )
         if check and r.returncode != 0:
             raise ExternalError(

@@ -4,12 +4,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .safety import child_kwargs
+from .safety import run as run_child
 from .errors import ExternalError, RefusedError, UsageError
 from .pins import Pin
 
@@ -55,7 +54,7 @@ def ensure_venv(v: Venv, pin: Pin, dry_run: bool, log=print) -> None:
         log(f"would create a virtual environment at {v.path}")
         return
     log(f"creating virtual environment {v.path}")
-    r = subprocess.run([sys.executable, "-m", "venv", str(v.path)], **child_kwargs())
+    r = run_child([sys.executable, "-m", "venv", str(v.path)])
     if r.returncode != 0:
         raise ExternalError(f"python -m venv {v.path} failed")
     (v.path / MARKER).write_text(json.dumps({"created_by": "tools/apply.py", "vllm": pin.version}) + "\n")
@@ -76,7 +75,7 @@ print(json.dumps(out))
 def installed(v: Venv) -> dict[str, str | None]:
     if not v.python.exists():
         return {"torch": None, "triton": None, "vllm": None, "pytest": None}
-    r = subprocess.run([str(v.python), "-c", _PROBE], capture_output=True, text=True)
+    r = run_child([str(v.python), "-c", _PROBE], capture_output=True, text=True)
     if r.returncode != 0:
         raise ExternalError(f"{v.python} does not run: {r.stderr.strip()[-500:]}")
     return json.loads(r.stdout)
@@ -96,7 +95,8 @@ def pip(v: Venv, args: list[str], dry_run: bool, log=print) -> None:
         log(f"would run: {shlex.join(cmd)}")
         return
     log(f"$ {shlex.join(cmd)}")
-    r = subprocess.run(cmd, **child_kwargs())
+    # PIP_NO_INPUT: pip runs in a process group of its own, where reading the terminal would stop it
+    r = run_child(cmd, env=dict(os.environ, PIP_NO_INPUT="1"))
     if r.returncode != 0:
         raise ExternalError(f"pip failed (exit {r.returncode}): {shlex.join(cmd)}")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import difflib
 import re
 import shutil
-import subprocess
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from .patches import (
 from .pins import Pin
 from .project import OverlayFile, Project
 from .safety import owned_tempdir
+from .safety import run as run_child
 from .tree import FORMAT_PATCH_OPTS, Tree, create_baseline
 
 
@@ -404,8 +404,8 @@ def _pr_body(concern, patches, files, title, c, pin) -> str:
 
 def _git_identity(root: Path) -> str | None:
     try:
-        n = subprocess.run(["git", "config", "user.name"], cwd=root, capture_output=True, text=True).stdout.strip()
-        e = subprocess.run(["git", "config", "user.email"], cwd=root, capture_output=True, text=True).stdout.strip()
+        n = run_child(["git", "config", "user.name"], cwd=root, capture_output=True, text=True).stdout.strip()
+        e = run_child(["git", "config", "user.email"], cwd=root, capture_output=True, text=True).stdout.strip()
     except OSError:
         return None
     return f"{n} <{e}>" if n and e else None

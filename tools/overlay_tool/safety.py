@@ -7,8 +7,10 @@ that end with the tool, and signals handled like Ctrl-C.
 - owned_tempdir: a temporary folder with a locked owner file beside it (<name>.owner). It is removed
   on every exit path the process lives through; clean_stale() removes the folders of owners that
   died (SIGKILL) -- the owner lock of a dead process is free.
-- child processes get PR_SET_PDEATHSIG=SIGKILL (Linux): they end with the tool even when it is
-  killed with SIGKILL (a `git checkout` or `wheel pack` left running would write on).
+- child processes run in a process group of their own (so a terminal's Ctrl-C reaches only the
+  tool, which then ends each child's whole group: run(), kill_group()), and get
+  PR_SET_PDEATHSIG=SIGKILL (Linux): a direct child ends with the tool even when the tool is killed
+  with SIGKILL (a `git checkout` or `wheel pack` left running would write on).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import fcntl
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -163,22 +166,50 @@ _libc = None
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
+    os.setpgid(0, 0)
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def child_kwargs() -> dict:
-    """subprocess keyword arguments that make a child die with the tool (Linux; elsewhere nothing)."""
+    """subprocess keyword arguments: the child leads a process group of its own and (Linux) dies
+    with the tool. Whoever starts it ends its group on every exit path (run() and kill_group())."""
     global _libc
-    if not sys.platform.startswith("linux"):
-        return {}
-    if _libc is None:
+    if _libc is None and sys.platform.startswith("linux"):
         try:
             _libc = ctypes.CDLL(None, use_errno=True)
             _libc.prctl  # noqa: B018
         except (OSError, AttributeError):
-            return {}
+            _libc = None
     return {"preexec_fn": _child_setup}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a child started with child_kwargs() and everything it started (its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run, with the child in its own process group that is ended when the tool is
+    interrupted (Ctrl-C, SIGTERM, SIGHUP) or times out, and (Linux) killed with the tool."""
+    if capture_output:
+        kw["stdout"] = kw["stderr"] = subprocess.PIPE
+    if input is not None:
+        kw["stdin"] = subprocess.PIPE
+    with subprocess.Popen(cmd, **kw, **child_kwargs()) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except BaseException:  # KeyboardInterrupt (also SIGTERM/SIGHUP, see handle_signals), TimeoutExpired
+            kill_group(proc)
+            raise
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        r.check_returncode()
+    return r
 
 
 # ------------------------------------------------------------------- signals

@@ -26,7 +26,7 @@ from .gitutil import Git
 from .patches import FIXED_EPOCH, AUTHOR, PatchFile, normalize_export
 from .pins import Pin
 from .project import OverlayFile
-from .safety import child_kwargs, held_open, owned_tempdir
+from .safety import child_kwargs, held_open, kill_group, owned_tempdir
 
 JOURNAL = "glm5-overlay-apply.json"  # what an unfinished command was changing (see Tree._switch)
 SYNC = "glm5-overlay-sync.json"  # patches/<version> and HEAD when the tree was last applied/refreshed
@@ -178,8 +178,7 @@ def _fast_import(g: Git, pin: Pin, wheel: Path, binaries: bool = True) -> None:
             w.write(b"\nreset refs/tags/%s\nfrom :%d\n\ndone\n" % (pin.tag.encode(), len(infos) + 1))
             w.close()
         except BaseException:
-            proc.kill()
-            proc.wait()
+            kill_group(proc)
             raise
         if proc.wait() != 0:
             raise ToolError("git fast-import failed while importing the release wheel")

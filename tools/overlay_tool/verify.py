@@ -15,7 +15,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from .safety import child_kwargs, owned_tempdir
+from .safety import child_kwargs, kill_group, owned_tempdir
+from .safety import run as run_child
 from .project import VerifySpec
 from .tree import progress
 
@@ -190,9 +191,9 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         t0 = time.time()
         try:
-            r = subprocess.run(
+            r = run_child(
                 [str(python), "-c", _CHECKER, str(sp), str(op)], cwd=td, env=env,
-                capture_output=True, text=True, timeout=timeout, **child_kwargs(),
+                capture_output=True, text=True, timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             return {"ok": False, "problems": [f"import checks did not finish in {timeout} s"], "checks": []}
@@ -243,8 +244,7 @@ def run_streaming(cmd: list[str], cwd: Path, env: dict, timeout: float, echo=_ec
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    proc.kill()
-                    proc.wait()
+                    kill_group(proc)
                     proc.stdout.close()
                     return None, buf.decode(errors="replace")
                 if not sel.select(timeout=min(left, 1.0)):
@@ -257,9 +257,8 @@ def run_streaming(cmd: list[str], cwd: Path, env: dict, timeout: float, echo=_ec
                 buf += chunk
                 if len(buf) > 2 * keep:
                     del buf[:-keep]
-    except BaseException:  # Ctrl-C / SIGTERM: end pytest with the tool
-        proc.kill()
-        proc.wait()
+    except BaseException:  # Ctrl-C / SIGTERM: end pytest (and what it started) with the tool
+        kill_group(proc)
         raise
     proc.stdout.close()
     return proc.wait(), bytes(buf[-keep:]).decode(errors="replace")
