@@ -32,7 +32,7 @@ from .project import OverlayFile
 JOURNAL = "glm5-overlay-apply.json"
 OVERLAY_TRAILER = "Glm5-Overlay"
 WHEEL_TRAILER = "Wheel-Sha256"
-FAULT_ENV = "GLM5_OVERLAY_FAULT"  # fault injection for the tests (see tests/tool/test_interrupt.py)
+FAULT_ENV = "GLM5_OVERLAY_FAULT"  # fault injection for the tests (see the interrupted-apply tests in tests/tool/test_apply.py)
 
 FORMAT_PATCH_OPTS = [
     "--full-index", "--zero-commit", "--no-signature", "--no-stat", "--keep-subject",
