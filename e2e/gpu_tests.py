@@ -3,7 +3,8 @@
 (Triton's mma.sync path, what SM120 runs), in one call, into one results file.
 
   python3 e2e/gpu_tests.py --prepare             # here (CPU): stage vLLM 0.26.0's compiled cache ops
-                                                 # into .peers-carry/ (git-ignored, ~53 MiB xz)
+                                                 # and every pin's MLA cache-writer cubin into
+                                                 # .peers-carry/ (git-ignored, ~56 MiB)
   python3 e2e/gpu_tests.py                       # GPU host: both modes -> $OUT/gpu_tests_h200.json
   python3 e2e/gpu_tests.py --modes plain         # one mode (when both do not fit one call) ...
   python3 e2e/gpu_tests.py --merge a.json b.json # ... then combine the partial files (here)
@@ -104,6 +105,45 @@ def prepare(pin: str, wheel: Path, expected_sha256: str, torch_version: str, out
     man_path.write_text(json.dumps(man, indent=1) + "\n")
     log(f"staged {PEER_LIBRARY} of {wheel.name} as {dst.relative_to(REPO) if dst.is_relative_to(REPO) else dst} "
         f"({size / 2**20:.1f} MiB -> {dst.stat().st_size / 2**20:.1f} MiB xz, {time.time() - t0:.0f} s)")
+    return man
+
+
+def cuobjdump() -> Path:
+    try:
+        import triton
+    except ImportError as e:
+        raise SystemExit(f"--prepare needs triton (its cuobjdump extracts vLLM's cubins): {e}") from e
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        raise SystemExit(f"{tool} not found (triton without its NVIDIA tools)")
+    return tool
+
+
+def stage_writer_cubin(pin: str, wheel: Path, expected_sha256: str, out: Path = CARRY) -> dict:
+    """The sm_90 cubin holding vLLM `pin`'s MLA cache writers (concat_and_cache_[ds_]mla_kernel),
+    for tests/kernels/test_mla_kv_cache.py, which launches them through CuPy: the only way to run
+    0.33.0's writer (its library needs torch 2.14) next to the H200 host's torch 2.11."""
+    got = sha256_file(wheel)
+    if got != expected_sha256:
+        raise SystemExit(f"{wheel}: sha256 {got} is not pins.lock's {expected_sha256}")
+    dst = out / "vllm_cubins" / f"cache_kernels_sm90_{pin}.cubin"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        with zipfile.ZipFile(wheel) as z, z.open(PEER_LIBRARY) as f, open(tmp / "C.so", "wb") as g:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                g.write(chunk)
+        subprocess.run([str(cuobjdump()), "-xelf", "all", "C.so"], cwd=tmp, check=True, capture_output=True)
+        found = [c for c in sorted(tmp.glob("*.sm_90.cubin")) if b"concat_and_cache_ds_mla_kernel" in c.read_bytes()]
+        if not found:
+            raise SystemExit(f"no sm_90 cubin with concat_and_cache_ds_mla_kernel in {wheel.name}")
+        dst.write_bytes(found[0].read_bytes())
+    man_path = out / "manifest.json"
+    man = json.loads(man_path.read_text()) if man_path.exists() else {"pins": {}}
+    man.setdefault("cubins", {})[pin] = {"path": str(dst.relative_to(out)), "sha256": sha256_file(dst),
+                                         "wheel": wheel.name, "wheel_sha256": got}
+    man_path.write_text(json.dumps(man, indent=1) + "\n")
+    log(f"staged the sm_90 MLA cache-writer cubin of {wheel.name} ({dst.stat().st_size / 2**20:.1f} MiB)")
     return man
 
 
@@ -291,8 +331,10 @@ def peers_summary() -> dict | None:
     man = CARRY / "manifest.json"
     if not man.exists():
         return None
-    return {pin: {k: e[k] for k in ("name", "sha256", "wheel", "torch")}
-            for pin, e in json.loads(man.read_text())["pins"].items()}
+    m = json.loads(man.read_text())
+    return {"libraries": {pin: {k: e[k] for k in ("name", "sha256", "wheel", "torch")}
+                          for pin, e in m.get("pins", {}).items()},
+            "cubins": {pin: {k: e[k] for k in ("path", "sha256", "wheel")} for pin, e in m.get("cubins", {}).items()}}
 
 
 def summarize(doc: dict) -> dict:
@@ -367,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown pin {pin}; pins.lock has {sorted(lock['pins'])}")
         p = lock["pins"][pin]
         prepare(pin, wheel_cache() / p["wheel"], p["sha256"], p["torch"])
+        for v, pv in sorted(lock["pins"].items()):
+            w = wheel_cache() / pv["wheel"]
+            if not w.exists():
+                raise SystemExit(f"{w} is not in the wheel cache: run `python3 tools/apply.py --vllm {v} fetch`")
+            stage_writer_cubin(v, w, pv["sha256"])
         size = carry_bytes(CARRY)
         log(f".peers-carry/ holds {size / 2**20:.1f} MiB; carry it with the call (64 MiB in all, checkout included)")
         return 0

@@ -184,3 +184,18 @@ def test_peer_loader_reads_what_prepare_writes(tmp_path, monkeypatch):
     with pytest.raises(vllm_peers.PeerMissing, match="sha256"):
         vllm_peers.unpacked(man["pins"]["9.9.0"])
     assert not lib.exists()
+
+
+@pytest.mark.real_wheel
+def test_stage_writer_cubin_finds_vllms_mla_writers_in_the_pinned_wheel(tmp_path):
+    """From the cached 0.26.0 release wheel: the staged cubin holds the writer kernels the
+    byte-equality test of tests/kernels/test_mla_kv_cache.py launches."""
+    import tomllib
+
+    pin = tomllib.loads((G.REPO / "pins.lock").read_text())["pins"]["0.26.0"]
+    wheel = G.wheel_cache() / pin["wheel"]
+    if not wheel.exists():
+        pytest.skip(f"{wheel} not cached (python3 tools/apply.py fetch)")
+    man = G.stage_writer_cubin("0.26.0", wheel, pin["sha256"], out=tmp_path)
+    cubin = (tmp_path / man["cubins"]["0.26.0"]["path"]).read_bytes()
+    assert b"concat_and_cache_ds_mla_kernel" in cubin and b"concat_and_cache_mla_kernel" in cubin
