@@ -7,7 +7,8 @@
                                                  # .peers-carry/ (git-ignored, ~56 MiB)
   python3 e2e/gpu_tests.py                       # GPU host: both modes -> $OUT/gpu_tests_h200.json
   python3 e2e/gpu_tests.py --modes plain         # one mode (when both do not fit one call) ...
-  python3 e2e/gpu_tests.py --merge a.json b.json # ... then combine the partial files (here)
+  python3 e2e/gpu_tests.py --merge a.json b.json # ... then combine the partial files (here);
+                                                 # a.json:plain takes only that mode of a.json
 
 Each mode runs `python -m pytest tests/kernels -v -rfEs --junitxml=...` in a fresh process with
 GLM5_REQUIRE_PEERS=1, so the byte comparisons against vLLM's compiled ops
@@ -368,6 +369,21 @@ def merge(docs: list[dict], command: str) -> dict:
     return summarize(out)
 
 
+def load_part(spec: str) -> dict:
+    """`file.json` or `file.json:mode[,mode]` (only those modes of it, e.g. the one that finished)."""
+    path, only = spec, ""
+    if ".json:" in spec:
+        path, only = spec.rsplit(":", 1)
+    doc = json.loads(Path(path).read_text())
+    if only:
+        keep = only.split(",")
+        missing = [m for m in keep if m not in doc["modes"]]
+        if missing:
+            raise ValueError(f"{path} has no mode(s) {missing} (it has {sorted(doc['modes'])})")
+        doc["modes"] = {m: doc["modes"][m] for m in keep}
+    return doc
+
+
 def write(doc: dict, out_dir: Path, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
@@ -397,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="the commit, where the checkout has no .git")
     ap.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
     ap.add_argument("--name", default=NAME, help=f"results file name without .json (default {NAME})")
-    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine partial results files into --out/--name")
+    ap.add_argument("--merge", nargs="+", metavar="JSON[:MODES]",
+                    help="combine partial results files into --out/--name; FILE.json:plain,mma-v2 keeps only those modes")
     a = ap.parse_args(argv)
     command = "python3 e2e/gpu_tests.py" + "".join(" " + shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     out_dir = Path(a.out or os.environ.get("OUT") or REPO / "bench" / "results")
@@ -420,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.merge:
         try:
-            doc = merge([json.loads(Path(p).read_text()) for p in a.merge], command)
+            doc = merge([load_part(spec) for spec in a.merge], command)
         except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
             log(f"merge failed: {e}")
             return 2

@@ -141,6 +141,15 @@ def test_merge_cli_exit_status(tmp_path):
     b.write_text(json.dumps(_doc({"mma-v2": _mode(failed=["t::x"], rc=1)})))
     r = _run(tmp_path, "--merge", str(a), str(b), "--out", str(tmp_path / "m"))
     assert r.returncode == 1 and json.loads((tmp_path / "m" / f"{G.NAME}.json").read_text())["totals"]["failed"] == 1
+    # a combined call whose second mode was cut off, then that mode again on its own
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(_doc({"plain": _mode(), "mma-v2": _mode(timed_out=True, rc=None)})))
+    b.write_text(json.dumps(_doc({"mma-v2": _mode()})))
+    r = _run(tmp_path, "--merge", f"{both}:plain", str(b), "--out", str(tmp_path / "m3"))
+    m3 = json.loads((tmp_path / "m3" / f"{G.NAME}.json").read_text())
+    assert r.returncode == 0 and m3["ok"] and not m3["modes"]["mma-v2"]["timed_out"], r.stdout
+    r = _run(tmp_path, "--merge", f"{both}:nope", str(b), "--out", str(tmp_path / "m4"))
+    assert r.returncode == 2 and "no mode(s) ['nope']" in r.stdout
     b.write_text(json.dumps(_doc({"mma-v2": _mode()}, commit="other")))
     r = _run(tmp_path, "--merge", str(a), str(b), "--out", str(tmp_path / "m2"))
     assert r.returncode == 2 and "different code" in r.stdout
