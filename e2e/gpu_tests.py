@@ -340,7 +340,7 @@ def peers_summary() -> dict | None:
 
 def summarize(doc: dict) -> dict:
     doc["totals"] = {k: sum(m["counts"][k] for m in doc["modes"].values()) for k in COUNT_KEYS}
-    doc["ok"] = bool(doc["modes"]) and all(m["ok"] for m in doc["modes"].values())
+    doc["ok"] = bool(doc["modes"]) and all(m["ok"] for m in doc["modes"].values()) and not doc.get("problems")
     return doc
 
 
@@ -399,6 +399,8 @@ def report(doc: dict) -> None:
             f"({m['seconds']} s)")
         for nid in m["failed"] + m["errors"]:
             log(f"  {mode}: {nid}")
+    for problem in doc.get("problems", []):
+        log(f"FAILED: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="the commit, where the checkout has no .git")
     ap.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
     ap.add_argument("--name", default=NAME, help=f"results file name without .json (default {NAME})")
+    ap.add_argument("--allow-no-gpu", action="store_true",
+                    help="do not fail when no CUDA GPU is visible (the script's own CPU tests)")
     ap.add_argument("--merge", nargs="+", metavar="JSON[:MODES]",
                     help="combine partial results files into --out/--name; FILE.json:plain,mma-v2 keeps only those modes")
     a = ap.parse_args(argv)
@@ -456,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
            "tests": a.tests, "peers": peers_summary(), "modes": {}}
     if doc["commit"] is None:
         log("no commit known (no .git here): pass --commit")
+    if not doc["environment"].get("gpu") and not a.allow_no_gpu:
+        # the GPU tests would all skip: that is not evidence
+        doc["problems"] = ["no CUDA GPU visible to torch: the @gpu tests cannot run here"]
+        log(doc["problems"][0])
     for mode in modes:
         # each mode may use what is left: one complete mode beats two cut-off ones
         doc["modes"][mode] = run_mode(mode, a.tests, max(t_end - time.monotonic(), 1.0))

@@ -109,7 +109,7 @@ def test_runs_each_mode_in_its_environment_and_writes_the_file(tmp_path):
     suite = _project(tmp_path)
     out = tmp_path / "out"
     r = _run(tmp_path, "--modes", "mma-v2", "--tests", str(suite), "--out", str(out), "--name", "x",
-             "--commit", "c0ffee", env_extra={"EXPECT_MMA_V3_OFF": "1"})
+             "--commit", "c0ffee", "--allow-no-gpu", env_extra={"EXPECT_MMA_V3_OFF": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     doc = json.loads((out / "x.json").read_text())
     m = doc["modes"]["mma-v2"]
@@ -125,7 +125,7 @@ def test_a_failing_mode_makes_the_call_fail_and_is_named(tmp_path):
     suite = _project(tmp_path)
     out = tmp_path / "out"
     # plain mode with EXPECT_MMA_V3_OFF=1: test_env_of_the_mode fails there
-    r = _run(tmp_path, "--modes", "plain", "--tests", str(suite), "--out", str(out),
+    r = _run(tmp_path, "--modes", "plain", "--tests", str(suite), "--out", str(out), "--allow-no-gpu",
              env_extra={"EXPECT_MMA_V3_OFF": "1", "DISABLE_MMA_V3": "1"})
     assert r.returncode == 1
     doc = json.loads((out / f"{G.NAME}.json").read_text())
@@ -208,3 +208,13 @@ def test_stage_writer_cubin_finds_vllms_mla_writers_in_the_pinned_wheel(tmp_path
     man = G.stage_writer_cubin("0.26.0", wheel, pin["sha256"], out=tmp_path)
     cubin = (tmp_path / man["cubins"]["0.26.0"]["path"]).read_bytes()
     assert b"concat_and_cache_ds_mla_kernel" in cubin and b"concat_and_cache_mla_kernel" in cubin
+
+
+def test_without_a_gpu_the_run_is_not_evidence(tmp_path):
+    """All @gpu tests would skip: the call fails (unless --allow-no-gpu), naming why."""
+    suite = _project(tmp_path)
+    r = _run(tmp_path, "--modes", "mma-v2", "--tests", str(suite), "--out", str(tmp_path / "o"),
+             env_extra={"EXPECT_MMA_V3_OFF": "1", "CUDA_VISIBLE_DEVICES": ""})
+    doc = json.loads((tmp_path / "o" / f"{G.NAME}.json").read_text())
+    assert r.returncode == 1 and not doc["ok"] and doc["modes"]["mma-v2"]["ok"]
+    assert doc["problems"] == ["no CUDA GPU visible to torch: the @gpu tests cannot run here"]
