@@ -24,7 +24,12 @@ the fp32 scales (``D // quant_block`` per token). GLM-5 / DeepSeek-V3.2: ``D = q
 Quantization (``indexer_k_quant_and_cache``): per token and 128-group ``s = max(amax, 1e-4) / 448``,
 with ``scale_fmt == "ue8m0"`` rounded *up* to a power of two (``2^ceil(log2 s)``, computed exactly
 on the fp32 bits); stored value ``e4m3(x / s)`` (round to nearest even, |x / s| <= 448), stored
-scale ``s``. A negative slot skips the token.
+scale ``s``. A negative slot skips the token (padding); a slot ``>= num_blocks * block_size`` is
+out of range and skipped too (vLLM's CUDA writer would write out of bounds; ``validate=True``
+raises instead, with a host sync). Non-finite input, as vLLM's CUDA writer (``fmaxf`` ignores NaN,
+``__nv_cvt_float_to_fp8`` keeps it): a NaN element is stored as the e4m3 NaN byte ``0x7F`` and does
+not enter its group's ``amax``; a +-inf element makes the group's scale ``+inf``, so its finite
+elements store +-0 and the inf itself ``inf / inf`` = NaN (``0x7F``).
 
 Logits (DeepGEMM's convention, which vLLM uses)::
 
@@ -152,6 +157,7 @@ def _e4m3_bits_rne(y):
     (e.g. -125.875 -> -64; ties not to even). On the GPU the hardware cvt (rn, satfinite) is used."""
     a = tl.abs(y)
     ab = a.to(tl.int32, bitcast=True)
+    # (NaN -> 0x7F at the end, like the hardware cvt)
     e = tl.maximum(((ab >> 23) & 0xFF) - 127, -6)  # exponent of the quantum's binade (subnormals: -6)
     q = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): spacing of e4m3 in that binade
     r = ((a / q + 8388608.0) - 8388608.0) * q  # exact: a/q < 16, fp32 add rounds to nearest even
@@ -163,13 +169,14 @@ def _e4m3_bits_rne(y):
     qq = ((qe + 127) << 23).to(tl.float32, bitcast=True)
     m = (r / qq).to(tl.int32)  # 8..15 (normal) or 0..7 (subnormal)
     bits = tl.where(normal, ((re_ + 7) << 3) | (m - 8), m)
-    return tl.where(y < 0, bits | 0x80, bits)
+    bits = tl.where(y.to(tl.int32, bitcast=True) < 0, bits | 0x80, bits)  # sign bit: -0.0 -> 0x80
+    return tl.where(y != y, 0x7F, bits)
 
 
 @triton.jit
 def _indexer_k_quant_cache_kernel(
     k_ptr, cache_u8_ptr, cache_f32_ptr, slot_ptr,
-    num_tokens, stride_kt, stride_blk,
+    num_tokens, num_slots, stride_kt, stride_blk,
     PAGE: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_T: tl.constexpr,
     SOFT_CVT: tl.constexpr,
 ):
@@ -177,22 +184,25 @@ def _indexer_k_quant_cache_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
-    valid = tm & (slot >= 0)
+    valid = tm & (slot >= 0) & (slot < num_slots)
     d = tl.arange(0, D)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     xg = tl.reshape(x, [BLOCK_T, NG, QB])
-    amax = tl.max(tl.abs(xg), axis=2)  # [BLOCK_T, NG]
+    # NaN elements do not enter amax (vLLM's fmaxf; explicit, since a max reduction's NaN handling
+    # differs between the GPU and the interpreter); inf gives s = inf (ue8m0 keeps it)
+    amax = tl.max(tl.where(xg != xg, 0.0, tl.abs(xg)), axis=2)  # [BLOCK_T, NG]
     s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
     if USE_UE8M0:
         s = _ue8m0_ceil(s)
     y = tl.math.div_rn(xg, s[:, :, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))  # NaN stays NaN -> 0x7F
     y = tl.reshape(y, [BLOCK_T, D])
     if SOFT_CVT:
         yb = _e4m3_bits_rne(y).to(tl.uint8)
     else:
         yb = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        yb = tl.where(y != y, 0x7F, yb)  # one NaN byte whatever the sign / the cvt's choice
     blk = slot // PAGE
     off = slot % PAGE
     vbase = blk * stride_blk + off * D
@@ -203,12 +213,13 @@ def _indexer_k_quant_cache_kernel(
 
 
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                              quant_block_size: int, scale_fmt: str | None) -> None:
+                              quant_block_size: int, scale_fmt: str | None, validate: bool = False) -> None:
     """Drop-in for ``vllm._custom_ops.indexer_k_quant_and_cache(k, kv_cache, slot_mapping,
     quant_block_size, kv_cache_dtype)`` (vLLM passes the scale format, ``"ue8m0"``, as the last
     argument). ``k``: ``[T, D]`` bf16/fp16/fp32 (rows may be strided); ``slot_mapping``: ``[T]``
-    int64 (or int32), negative = skip. Only the first ``slot_mapping.shape[0]`` rows of ``k`` are
-    used (vLLM's CUDA-graph padding)."""
+    int64 (or int32), negative or ``>= num_blocks * block_size`` = skip. Only the first
+    ``slot_mapping.shape[0]`` rows of ``k`` are used (vLLM's CUDA-graph padding). ``validate``
+    (debug only, host sync): raise on slots ``>= num_blocks * block_size``."""
     kv3, page, entry = _cache_geometry(kv_cache, k.shape[-1], quant_block_size)
     if k.dim() != 2 or k.stride(1) != 1:
         raise ValueError(f"k must be [T, head_dim] with contiguous rows, got {tuple(k.shape)} stride {k.stride()}")
@@ -222,12 +233,15 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     n = slot_mapping.shape[0]
     if k.shape[0] < n:
         raise ValueError(f"k has {k.shape[0]} rows for {n} slots")
-    if n == 0:
+    num_slots = kv3.shape[0] * page
+    if validate and n > 0 and bool((slot_mapping[:n] >= num_slots).any().item()):
+        raise ValueError(f"slot_mapping has slots >= num_blocks * block_size = {num_slots}")
+    if n == 0 or num_slots == 0:
         return
     fp8v, f32v = _views(kv3)
     block_t = 4
     _indexer_k_quant_cache_kernel[(triton.cdiv(n, block_t),)](
-        k, fp8v.view(torch.uint8), f32v, slot_mapping, n, k.stride(0), kv3.stride(0),
+        k, fp8v.view(torch.uint8), f32v, slot_mapping, n, num_slots, k.stride(0), kv3.stride(0),
         PAGE=page, D=head_dim, QB=quant_block_size, USE_UE8M0=(scale_fmt == "ue8m0"), BLOCK_T=block_t,
         SOFT_CVT=_interpret(), num_warps=4,
     )
@@ -240,20 +254,21 @@ def indexer_k_quant_and_cache_reference(k, kv_cache, slot_mapping, quant_block_s
     ng = D // quant_block_size
     n = slot_mapping.shape[0]
     x = k[:n].float().view(n, ng, quant_block_size)
-    s = torch.clamp(x.abs().amax(dim=-1), min=1e-4) / 448.0
+    s = torch.clamp(torch.where(x.isnan(), 0.0, x.abs()).amax(dim=-1), min=1e-4) / 448.0
     if scale_fmt == "ue8m0":
         bits = s.view(torch.int32)
         e = (bits >> 23) & 0xFF
         e = torch.where((bits & 0x7FFFFF) != 0, e + 1, e)
         s = (e << 23).view(torch.float32)
-    y = torch.clamp(x / s[..., None], -448.0, 448.0).to(FP8_DTYPE).view(n, D)
+    y = torch.clamp(x / s[..., None], -448.0, 448.0).to(FP8_DTYPE).view(torch.uint8)
+    y = torch.where((x / s[..., None]).isnan(), 0x7F, y).view(n, D)  # NaN: the canonical 0x7F
     flat = kv3.view(kv3.shape[0], -1)
     for t in range(n):
         slot = int(slot_mapping[t])
-        if slot < 0:
+        if slot < 0 or slot >= kv3.shape[0] * page:
             continue
         blk, off = divmod(slot, page)
-        flat[blk, off * D:(off + 1) * D] = y[t].view(torch.uint8)
+        flat[blk, off * D:(off + 1) * D] = y[t]
         flat[blk, page * D + off * 4 * ng: page * D + (off + 1) * 4 * ng] = s[t].contiguous().view(torch.uint8)
 
 
@@ -661,7 +676,8 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "name": f"dsa_indexer_k_cache[{in_t[1:]},ue8m0={int(ue8m0)}]",
                 "fn": _indexer_k_quant_cache_kernel,
                 "signature": {"k_ptr": in_t, "cache_u8_ptr": "*u8", "cache_f32_ptr": "*fp32",
-                              "slot_ptr": "*i64", "num_tokens": "i32", "stride_kt": "i32", "stride_blk": "i32",
+                              "slot_ptr": "*i64", "num_tokens": "i32", "num_slots": "i32", "stride_kt": "i32",
+                              "stride_blk": "i32",
                               "PAGE": "constexpr", "D": "constexpr", "QB": "constexpr", "USE_UE8M0": "constexpr",
                               "BLOCK_T": "constexpr", "SOFT_CVT": "constexpr"},
                 "constexprs": {"PAGE": 64, "D": 128, "QB": 128, "USE_UE8M0": ue8m0, "BLOCK_T": 4, "SOFT_CVT": False},

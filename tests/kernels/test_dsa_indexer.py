@@ -4,6 +4,8 @@ PyTorch references. CPU: Triton interpreter at small shapes. GPU (``-m gpu``): G
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -87,6 +89,64 @@ def test_k_write_layout_is_vllms():
     assert flat[2, 63 * D + 5] == 0xF8
     assert torch.equal(flat[2, page * D + 63 * 4:].view(torch.float32), torch.tensor([2.0 ** -7]))
     assert flat[0].sum() == 0 and flat[1, : 3 * D].sum() == 0
+
+
+def test_k_write_skips_slots_past_the_cache():
+    """Slots >= num_blocks * block_size are skipped (like negative ones): no byte of the cache (nor
+    past it: the cache is a view into a larger poisoned buffer) changes for them; validate=True
+    raises instead."""
+    g = torch.Generator().manual_seed(13)
+    page, nb, D = 16, 3, 128
+    backing = _poison_u8((nb + 2, page, D + 4))
+    cache = backing[:nb]
+    k = torch.randn(6, D, generator=g).to(KDTYPE)
+    slots = torch.tensor([0, nb * page, nb * page + 5, -1, nb * page - 1, 10 ** 9], dtype=torch.long)
+    before = backing.clone().cpu()
+    ref = before[:nb].clone()
+    I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, "ue8m0")
+    I.indexer_k_quant_and_cache_reference(k, ref, slots, 128, "ue8m0")
+    assert torch.equal(backing[nb:].cpu(), before[nb:]), "bytes past the cache were written"
+    assert torch.equal(cache.cpu(), ref)
+    flat, old = cache.cpu().view(nb, -1), before[:nb].reshape(nb, -1)
+    # the two in-range slots (first and last of the cache) were written
+    assert (flat[0, :D] != old[0, :D]).any() and (flat[-1, (page - 1) * D: page * D] != old[-1, (page - 1) * D: page * D]).any()
+    with pytest.raises(ValueError, match="num_blocks"):
+        I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, "ue8m0", validate=True)
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+def test_k_write_nan_and_inf(scale_fmt):
+    """Defined non-finite behaviour (vLLM's CUDA writer's): NaN -> byte 0x7F and left out of the
+    group's amax; an inf makes the scale +inf, the group's finite values +-0 and the inf NaN."""
+    D = 128
+    k = torch.zeros(3, D, dtype=torch.float32)
+    k[0] = torch.linspace(-3.0, 3.0, D)
+    k[0, 10] = float("nan")
+    k[1] = torch.linspace(-1.0, 1.0, D)
+    k[1, 20] = float("inf")
+    k[1, 21] = float("-inf")
+    k[2] = torch.linspace(-2.0, 2.0, D)  # a finite neighbour: unaffected
+    k = k.to(KDTYPE)
+    cache = torch.zeros(1, 16, D + 4, dtype=torch.uint8, device=DEVICE)
+    ref = torch.zeros(1, 16, D + 4, dtype=torch.uint8)
+    slots = torch.tensor([0, 1, 2])
+    I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, scale_fmt)
+    I.indexer_k_quant_and_cache_reference(k, ref, slots, 128, scale_fmt)
+    assert torch.equal(cache.cpu(), ref), f"{(cache.cpu() != ref).sum().item()} bytes differ"
+    vals = ref.view(1, -1)[0, : 16 * D].view(16, D)
+    scales = ref.view(1, -1)[0, 16 * D:].view(torch.float32)
+    assert vals[0, 10] == 0x7F
+    finite_amax = 3.0 if scale_fmt == "fp32" else 2.0 ** math.ceil(math.log2(3.0 / 448.0))
+    assert scales[0].item() == pytest.approx(3.0 / 448.0 if scale_fmt == "fp32" else finite_amax)
+    assert math.isinf(scales[1].item()) and scales[1].item() > 0
+    assert vals[1, 20] == 0x7F and vals[1, 21] == 0x7F
+    others = torch.cat([vals[1, :20], vals[1, 22:]])
+    assert bool(((others & 0x7F) == 0).all()), "finite values of an inf group must be +-0"
+    x2 = k[2].float()
+    s2 = max(x2.abs().max().item(), 1e-4) / 448.0
+    if scale_fmt == "ue8m0":
+        s2 = 2.0 ** math.ceil(math.log2(s2))
+    assert scales[2].item() == pytest.approx(s2, rel=1e-6)
 
 
 @triton.jit
