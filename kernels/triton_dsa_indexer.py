@@ -80,6 +80,8 @@ __all__ = [
     "fp8_mqa_logits_reference",
     "dequant_indexer_k_cache",
     "paged_logits_config",
+    "grid_yz_tiles",
+    "MAX_GRID_YZ",
     "SM120_COMPILE_SPECS",
 ]
 
@@ -100,6 +102,20 @@ def _device_sms(device: torch.device) -> int:
     if device.type != "cuda" or _interpret():
         return 8
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# CUDA's limit on gridDim.y / gridDim.z. Launches whose y extent (query blocks of the ragged
+# prefill logits, requests of the paged decode logits) could exceed it are tiled into several
+# launches of at most this many programs along y, each with its offset (``grid_yz_tiles``): at
+# GLM-5's 32 heads (4 queries per block) one launch took at most 262,140 rows, at 64 heads 131,070.
+MAX_GRID_YZ = 65535
+
+
+def grid_yz_tiles(n: int, max_yz: int = MAX_GRID_YZ) -> list[tuple[int, int]]:
+    """(offset, count) launches covering ``n`` programs along grid y, each ``<= max_yz``."""
+    if max_yz < 1:
+        raise ValueError(f"max grid y/z must be >= 1, got {max_yz}")
+    return [(o, min(max_yz, n - o)) for o in range(0, n, max_yz)]
 
 
 def _cache_geometry(kv_cache: torch.Tensor, head_dim: int, quant_block: int):
@@ -395,13 +411,13 @@ def cp_gather_indexer_k_quant_cache_reference(kv_cache, dst_k, dst_scale, block_
 def _paged_logits_kernel(
     q_ptr, kv_fp8_ptr, kv_f32_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_blk, stride_wr, stride_cb, stride_btb, stride_or,
-    max_model_len,
+    max_model_len, b0,
     NEXT_N: tl.constexpr, NN_P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64) + b0  # b0: first request of this launch (grid-y tiling)
     jj = tl.arange(0, NN_P)
     jm = jj < NEXT_N
     if CTX_2D:
@@ -515,20 +531,21 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     overrides = dict(overrides)
     waves = overrides.pop("WAVES", 4.0)
+    max_grid_yz = overrides.pop("MAX_GRID_YZ", MAX_GRID_YZ)
     cfg = paged_logits_config(B, next_n, max_model_len, _device_sms(q.device), waves,
                               overrides.get("BLOCK_N", 64), H)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     chunk = cfg["TILES"] * cfg["BLOCK_N"]
     fp8v, f32v = _views(kv3)
-    grid = (triton.cdiv(max_model_len, chunk), B)
-    _paged_logits_kernel[grid](
-        q, fp8v, f32v, weights, context_lens, block_table, out,
-        q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
-        block_table.stride(0), out.stride(0), max_model_len,
-        NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
-        CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
-    )
+    for b0, nb in grid_yz_tiles(B, max_grid_yz):
+        _paged_logits_kernel[(triton.cdiv(max_model_len, chunk), nb)](
+            q, fp8v, f32v, weights, context_lens, block_table, out,
+            q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
+            block_table.stride(0), out.stride(0), max_model_len, b0,
+            NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
+            CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
+        )
     return out
 
 
@@ -575,11 +592,11 @@ def fp8_paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_tab
 @triton.jit
 def _ragged_logits_kernel(
     q_ptr, k_ptr, ks_ptr, w_ptr, cks_ptr, cke_ptr, out_ptr,
-    M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om,
+    M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om, qb0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_q = tl.program_id(1)
+    pid_q = tl.program_id(1) + qb0  # qb0: first query block of this launch (grid-y tiling)
     qi = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qm = qi < M
     kst = tl.load(cks_ptr + qi, mask=qm, other=2147483647)
@@ -640,12 +657,13 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     cfg = dict(BLOCK_Q=max(1, 128 // H), BLOCK_N=128, num_warps=8)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_Q"]))
-    _ragged_logits_kernel[grid](
-        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out,
-        M, N, q.stride(0), q.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
-    )
+    max_grid_yz = cfg.pop("MAX_GRID_YZ", MAX_GRID_YZ)
+    for qb0, nqb in grid_yz_tiles(triton.cdiv(M, cfg["BLOCK_Q"]), max_grid_yz):
+        _ragged_logits_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), nqb)](
+            q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out,
+            M, N, q.stride(0), q.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0), qb0,
+            H=H, D=D, CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
+        )
     return out
 
 
@@ -717,7 +735,7 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                             "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32",
                             "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_blk": "i32",
                             "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
-                            "max_model_len": "i32",
+                            "max_model_len": "i32", "b0": "i32",
                             "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
                             "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
                             "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
@@ -737,7 +755,7 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "signature": {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "w_ptr": "*fp32",
                               "cks_ptr": "*i32", "cke_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                               "stride_qm": "i32", "stride_qh": "i32", "stride_kn": "i32", "stride_wm": "i32",
-                              "stride_om": "i32", "H": "constexpr", "D": "constexpr", "BLOCK_Q": "constexpr",
+                              "stride_om": "i32", "qb0": "i32", "H": "constexpr", "D": "constexpr", "BLOCK_Q": "constexpr",
                               "BLOCK_N": "constexpr", "CLEAN": "constexpr"},
                 "constexprs": {"H": H, "D": 128, "BLOCK_Q": max(1, 128 // H), "BLOCK_N": 128, "CLEAN": clean},
                 "divisible_by_16": ["q_ptr", "k_ptr", "ks_ptr", "w_ptr", "out_ptr", "stride_qm", "stride_qh",

@@ -617,3 +617,85 @@ def test_gpu_ragged_logits_glm5_shapes():
         ratio = ((got[mask] - ref[mask]).abs() / (eps * mag[mask] + 1e-30)).max().item()
         print(f"[bound] ragged rows {rows}: {ratio:.3g} x eps * MAG")
         assert ratio <= 1.0, f"error {ratio:.3g}x the bound"
+
+
+# ------------------------------------------------------------------------------------------------
+# grid limits: CUDA's gridDim.y <= 65535
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grid_yz_tiles_plan():
+    assert I.MAX_GRID_YZ == 65535
+    assert I.grid_yz_tiles(0) == []
+    assert I.grid_yz_tiles(65535) == [(0, 65535)]
+    assert I.grid_yz_tiles(65536) == [(0, 65535), (65535, 1)]
+    # GLM-5 prefill at 64 heads (2 queries per block) and 140k rows: the launch that failed
+    plan = I.grid_yz_tiles(triton.cdiv(140_000, 128 // 64))
+    assert [n for _, n in plan] == [65535, 4465] and all(n <= 65535 for _, n in plan)
+    # any max_num_batched_tokens: the tiles cover [0, n) exactly once, in order
+    for n in (1, 7, 65534, 65535, 131070, 131071, 10 ** 6 + 3):
+        plan = I.grid_yz_tiles(n)
+        assert plan[0][0] == 0 and sum(c for _, c in plan) == n
+        assert all(o2 == o1 + c1 for (o1, c1), (o2, _) in zip(plan, plan[1:]))
+        assert all(1 <= c <= 65535 for _, c in plan)
+    with pytest.raises(ValueError):
+        I.grid_yz_tiles(5, 0)
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_ragged_logits_tiled_grid_matches_one_launch(clean):
+    """A forced MAX_GRID_YZ of 2 query blocks splits the launch into 4 (offsets 0, 2, 4, 6): the
+    output is bit-identical to the single launch."""
+    g = torch.Generator().manual_seed(14)
+    M, N, H, D = 13, 40, 16, 128
+    q = torch.randn(M, H, D, generator=g).to(FP8).to(DEVICE)
+    kf = torch.randn(N, D, generator=g).to(FP8).to(DEVICE)
+    ks = (torch.rand(N, generator=g) + 0.05).to(DEVICE)
+    w = torch.randn(M, H, generator=g).to(DEVICE)
+    kst = torch.tensor([0] * 6 + [20] * 7, dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([15, 16, 17, 18, 19, 20] + list(range(34, 41)), dtype=torch.int32, device=DEVICE)
+    outs = []
+    for mg in (65535, 2):
+        out = torch.full((M, N), 777.0, device=DEVICE)
+        I.fp8_mqa_logits(q, kf, ks, w, kst, ke, clean_logits=clean, out=out, BLOCK_N=16, BLOCK_Q=2,
+                         MAX_GRID_YZ=mg)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    assert not (outs[1] == 777.0).all(dim=1).any(), "a query row was not launched"
+
+
+def test_paged_logits_tiled_grid_matches_one_launch():
+    g = torch.Generator().manual_seed(15)
+    cache, mml, q, w, bt, cl = _paged_case(g, next_n=2)
+    a = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2).cpu()
+    b = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2, MAX_GRID_YZ=1).cpu()
+    assert torch.equal(a, b)
+
+
+@gpu
+@needs_gpu
+def test_gpu_ragged_logits_past_grid_limit():
+    """64 heads x 140,000 query rows (70,000 query blocks > 65,535): launched in two grid-y tiles;
+    the rows of the second tile are computed (failed with "invalid argument" before the tiling)."""
+    g = torch.Generator(device="cuda").manual_seed(16)
+    M, N, H, D = 140_000, 256, 64, 128
+    q = torch.randn(M, H, D, device="cuda", generator=g).to(FP8)
+    kf = torch.randn(N, D, device="cuda", generator=g).to(FP8)
+    ks = torch.rand(N, device="cuda", generator=g) + 0.05
+    w = torch.randn(M, H, device="cuda", generator=g) * 0.05
+    kst = torch.zeros(M, dtype=torch.int32, device="cuda")
+    ke = (torch.arange(M, device="cuda") % N + 1).int()
+    out = I.fp8_mqa_logits(q, kf, ks, w, kst, ke, clean_logits=True)
+    torch.cuda.synchronize()
+    eps = logits_eps(D, H)
+    for rows in (slice(0, 16), slice(131_060, 131_080), slice(M - 16, M)):
+        qd = q[rows].double()
+        kd = kf.double() * ks.double()[:, None]
+        ref = (w[rows].double()[:, :, None] * torch.relu(torch.einsum("mhd,nd->mhn", qd, kd))).sum(1)
+        mag = (w[rows].double().abs()[:, :, None] * torch.einsum("mhd,nd->mhn", qd.abs(), kd.abs())).sum(1)
+        cols = torch.arange(N, device="cuda")
+        mask = (cols[None, :] >= kst[rows, None]) & (cols[None, :] < ke[rows, None])
+        got = out[rows].double()
+        assert torch.equal(torch.isneginf(got), ~mask)
+        ratio = ((got[mask] - ref[mask]).abs() / (eps * mag[mask] + 1e-30)).max().item()
+        assert ratio <= 1.0, (rows, ratio)
