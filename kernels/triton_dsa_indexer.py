@@ -361,7 +361,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
     kv3, page, entry = _cache_geometry(kv_cache, head_dim, head_dim // ng)
     if block_table.dtype != torch.int32 or cu_seq_lens.dtype != torch.int32:
         raise TypeError("block_table and cu_seq_lens must be int32")
-    if block_table.stride(-1) != 1:
+    if block_table.stride(-1) != 1 and block_table.shape[-1] > 1:
         raise ValueError("block_table rows must be contiguous")
     if n == 0:
         return
@@ -520,7 +520,9 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         ctx_2d, stride_cb = False, context_lens.stride(0)
     else:
         raise ValueError("context_lens must be 1-D [B] or 2-D [B, next_n]")
-    if block_table.dim() != 2 or block_table.shape[0] < B or block_table.stride(1) != 1:
+    # (a [B, 1] table may be a view with stride(1) != 1, as upstream's wrapper notes: only column 0
+    # is read then, so its stride does not matter)
+    if block_table.dim() != 2 or block_table.shape[0] < B or (block_table.stride(1) != 1 and block_table.shape[1] > 1):
         raise ValueError(f"block_table must be [B, max_blocks] with contiguous rows, got {tuple(block_table.shape)}")
     rows = B * next_n
     if out is None:  # contiguous: vLLM's persistent_topk takes logits.size(1) as the row stride

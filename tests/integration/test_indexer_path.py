@@ -162,6 +162,17 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
     monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(md))
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
     buffer = torch.full((T + 4, topk), -7, dtype=torch.int32)
+    # upstream's call semantics: DeepGEMM's logits are called with clean_logits=False (0.26.0) or
+    # leave the tail uncleaned (0.33.0): the Triton logits must be called the same way
+    calls = []
+    for name in ("fp8_mqa_logits", "fp8_paged_mqa_logits"):
+        orig = getattr(triton_dsa_indexer, name)
+
+        def spy(*a, _orig=orig, _name=name, **kw):
+            calls.append((_name, kw.get("clean_logits", True)))
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(sai.triton_dsa_indexer, name, spy)
 
     sai.sparse_attn_indexer(
         torch.empty(T, 16),  # hidden_states: only its length is read
@@ -191,3 +202,4 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         ref = _reference_logits(q[t].float(), weights[t], k_deq[r], 0, p + 1)
         _check_topk(buffer[t], ref, topk)
     assert (buffer[T:] == -7).all(), "rows past the step's tokens must be left alone"
+    assert sorted(calls) == [("fp8_mqa_logits", False), ("fp8_paged_mqa_logits", False)], calls

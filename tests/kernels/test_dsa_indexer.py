@@ -699,3 +699,21 @@ def test_gpu_ragged_logits_past_grid_limit():
         assert torch.equal(torch.isneginf(got), ~mask)
         ratio = ((got[mask] - ref[mask]).abs() / (eps * mag[mask] + 1e-30)).max().item()
         assert ratio <= 1.0, (rows, ratio)
+
+
+def test_block_table_with_one_column_any_stride():
+    """A [B, 1] block table that is a transposed view (stride(1) != 1; upstream's DeepGEMM wrapper
+    clones it) is accepted by the paged logits and the gather: only column 0 is read."""
+    g = torch.Generator().manual_seed(17)
+    page, nb, H, D, B = 16, 8, 16, 128, 3
+    cache = _make_cache(nb, page, gen=g)
+    q = torch.randn(B, 1, H, D, generator=g).to(FP8)
+    w = torch.randn(B, H, generator=g)
+    col = torch.randperm(nb, generator=g)[:B].int()
+    backing = torch.stack([col, col]).t().contiguous().view(-1).to(DEVICE)
+    bt_view = torch.as_strided(backing, (B, 1), (2, 5))  # built on the device: .to() would copy it dense
+    assert bt_view.stride(1) != 1 and torch.equal(bt_view[:, 0].cpu(), col)
+    cl = torch.tensor([5, page, 1], dtype=torch.int32)
+    res = I.fp8_paged_mqa_logits(q.to(DEVICE), cache, w.to(DEVICE), cl.to(DEVICE), bt_view, page)
+    ref, mag = _paged_ref(q, cache, w, cl, col.view(B, 1).contiguous(), page)
+    _check_logits(res, ref, mag, logits_eps(D, H), True)
