@@ -81,6 +81,7 @@ __all__ = [
     "dequant_indexer_k_cache",
     "paged_logits_config",
     "grid_yz_tiles",
+    "paged_dispatch_configs",
     "MAX_GRID_YZ",
     "SM120_COMPILE_SPECS",
 ]
@@ -687,6 +688,32 @@ def fp8_mqa_logits_reference(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen
 # ----------------------------------------------------------------------------------------------
 
 
+# Inputs the paged-logits dispatch is enumerated over for the compile specs: the indexer head
+# counts of GLM-5 (32) and DeepSeek-V3.2 (64) (the indexer's heads are not split by tensor
+# parallelism), next_n 1..4 (MTP with up to 3 draft tokens), batches 1..4096, max_model_len from
+# one page to 1M (GLM-5.2), and the SM counts of the targeted GPUs (see triton_dsa_topk.SPEC_SMS).
+SPEC_HEADS = (32, 64)
+SPEC_NEXT_N = (1, 2, 3, 4)
+SPEC_BATCH = tuple(1 << i for i in range(13))
+SPEC_MAX_MODEL_LEN = (64, 4096, 32768, 131072, 163840, 202752, 1 << 20)
+SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
+
+
+def paged_dispatch_configs(heads=SPEC_HEADS, next_ns=SPEC_NEXT_N, batches=SPEC_BATCH,
+                           max_model_lens=SPEC_MAX_MODEL_LEN, sms=SPEC_SMS) -> list[tuple[int, int, dict]]:
+    """Every distinct (H, next_n, paged_logits_config) the paged logits dispatch picks (default
+    WAVES and BLOCK_N, as vLLM calls it) over the given inputs."""
+    seen = {}
+    for H in heads:
+        for nn_ in next_ns:
+            for B in batches:
+                for L in max_model_lens:
+                    for n in sms:
+                        cfg = paged_logits_config(B, nn_, L, n, heads=H)
+                        seen.setdefault((H, nn_, tuple(sorted(cfg.items()))), (H, nn_, cfg))
+    return [seen[key] for key in sorted(seen)]
+
+
 def SM120_COMPILE_SPECS() -> list[dict]:
     """Every configuration the dispatch above can choose, at GLM-5 / DeepSeek shapes."""
     specs = []
@@ -724,31 +751,35 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                                 "req_ptr", "num_tokens", "stride_blk", "stride_dk"],
             "num_warps": 4, "num_stages": 1,
         })
-    for H in (32, 64):
-        for next_n in (1, 2, 4):
-            for tiles in (32,):
-                for clean, ctx_2d in ((False, True), (True, False)):
-                    specs.append({
-                        "name": f"dsa_paged_logits[H={H},next_n={next_n},tiles={tiles},clean={int(clean)},"
-                                f"ctx2d={int(ctx_2d)}]",
-                        "fn": _paged_logits_kernel,
-                        "signature": {
-                            "q_ptr": "*fp8e4nv", "kv_fp8_ptr": "*fp8e4nv", "kv_f32_ptr": "*fp32",
-                            "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32",
-                            "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_blk": "i32",
-                            "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
-                            "max_model_len": "i32", "b0": "i32",
-                            "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
-                            "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
-                            "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
-                        "constexprs": {"NEXT_N": next_n, "NN_P": triton.next_power_of_2(next_n), "H": H, "D": 128,
-                                       "PAGE": 64, "BLOCK_N": 64, "TILES": tiles, "CTX_2D": ctx_2d,
-                                       "CLEAN": clean, "NUM_STAGES": 3},
-                        "divisible_by_16": ["q_ptr", "kv_fp8_ptr", "kv_f32_ptr", "w_ptr", "ctx_ptr", "bt_ptr",
-                                            "out_ptr", "stride_qb", "stride_qn", "stride_qh", "stride_blk",
-                                            "stride_wr", "stride_or"],
-                        "num_warps": 8 if triton.next_power_of_2(next_n) * H >= 256 else 4, "num_stages": 3,
-                    })
+    # paged logits: every (H, next_n, BLOCK_N, TILES, NUM_STAGES, warps) paged_logits_config picks
+    # (paged_dispatch_configs); CLEAN / CTX_2D (a store loop and the context-length loads, set by
+    # the caller, not the dispatch) rotate over them so that each of the four pairs is compiled
+    # with several tile counts (vLLM passes clean_logits=False and 2-D context lengths).
+    flags = ((False, True), (True, False), (False, False), (True, True))
+    for i, (H, next_n, cfg) in enumerate(paged_dispatch_configs()):
+        clean, ctx_2d = flags[i % 4]
+        cfg = dict(cfg)
+        nw = cfg.pop("num_warps")
+        specs.append({
+            "name": f"dsa_paged_logits[H={H},next_n={next_n},tiles={cfg['TILES']},w={nw},clean={int(clean)},"
+                    f"ctx2d={int(ctx_2d)}]",
+            "fn": _paged_logits_kernel,
+            "signature": {
+                "q_ptr": "*fp8e4nv", "kv_fp8_ptr": "*fp8e4nv", "kv_f32_ptr": "*fp32",
+                "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32",
+                "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_blk": "i32",
+                "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
+                "max_model_len": "i32", "b0": "i32",
+                "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
+                "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
+                "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
+            "constexprs": dict(NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=128, PAGE=64,
+                               CTX_2D=ctx_2d, CLEAN=clean, **cfg),
+            "divisible_by_16": ["q_ptr", "kv_fp8_ptr", "kv_f32_ptr", "w_ptr", "ctx_ptr", "bt_ptr",
+                                "out_ptr", "stride_qb", "stride_qn", "stride_qh", "stride_blk",
+                                "stride_wr", "stride_or"],
+            "num_warps": nw, "num_stages": cfg["NUM_STAGES"],
+        })
     for H in (32, 64):
         for clean in (False, True):
             specs.append({
