@@ -1,4 +1,4 @@
-"""Harness shared by the end-to-end scripts (tools/e2e_correctness.py, e2e_throughput.py,
+"""Harness shared by the end-to-end scripts (e2e/e2e_correctness.py, e2e_throughput.py,
 e2e_serve_check.py): phase logging with timings, results written as they come, engine jobs in
 their own subprocesses (one GPU engine at a time, the next job's `import vllm` overlapped with the
 current one), the environment the staged vLLM needs, and small statistics helpers.

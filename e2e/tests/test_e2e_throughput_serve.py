@@ -1,5 +1,5 @@
-"""tools/e2e_throughput.py (arithmetic, kernel classes, trace summary, merge) and
-tools/e2e_serve_check.py / tools/gpu-host-serve-deps.txt (response checks, deps list)."""
+"""e2e/e2e_throughput.py (arithmetic, kernel classes, trace summary, merge) and
+e2e/e2e_serve_check.py / e2e/gpu-host-serve-deps.txt (response checks, deps list)."""
 from __future__ import annotations
 
 import gzip
@@ -169,7 +169,7 @@ def test_expected_chat_tokens_matches_the_template(micro_model):
 
 
 def test_serve_deps_file_is_minimal_and_pinned():
-    lines = [ln.strip() for ln in (REPO / "tools" / "gpu-host-serve-deps.txt").read_text().splitlines()
+    lines = [ln.strip() for ln in (REPO / "e2e" / "gpu-host-serve-deps.txt").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
     pins = dict(ln.split("==") for ln in lines)
     assert set(pins) == {"uvicorn", "watchfiles", "prometheus-fastapi-instrumentator",
@@ -220,7 +220,7 @@ def test_vllm_serve_parser_accepts_the_server_flags(tmp_path, monkeypatch):
 
 
 def test_fp8_deps_file_names_compressed_tensors_at_vllms_pin():
-    lines = [ln.strip() for ln in (REPO / "tools" / "gpu-host-fp8-deps.txt").read_text().splitlines()
+    lines = [ln.strip() for ln in (REPO / "e2e" / "gpu-host-fp8-deps.txt").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
     pins = dict(ln.split("==") for ln in lines)
     assert pins == {"compressed-tensors": "0.17.0", "loguru": "0.7.3"}
