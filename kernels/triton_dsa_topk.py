@@ -23,9 +23,10 @@ Algorithm (two launches; the row's logits are read once from L2/HBM in the commo
 
 1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
    ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
-   are radix-selected in registers (16-bin ``tl.histogram`` per 4-bit digit) at the two ranks
-   ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they bound a window ``[lo, hi]`` that contains the
-   k-th largest value with overwhelming probability (``hi`` rounded up, ``lo`` down to 20 bits).
+   are radix-selected in registers (a ``2**BITS``-bin ``tl.histogram`` per ``BITS``-bit digit,
+   ``RADIX_BITS`` = 8 by default) at the two ranks ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they
+   bound a window ``[lo, hi]`` that contains the k-th largest value with overwhelming probability
+   (``hi`` rounded up, ``lo`` down, to the ``ceil(20 / BITS)`` leading digits).
    Then one streaming pass over the program's segment of the row: elements above ``hi`` are
    written out (their count must stay below ``k``), window elements are compacted in position
    order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
@@ -190,40 +191,54 @@ def _from_u(ku):
 
 
 @triton.jit
-def _radix_select_desc(ku, m, rank, top_shift, npass):
-    """Radix select on uint32 values ``ku`` (lanes with ``m``), 4 bits per pass from bit
-    ``top_shift + 3`` down, ``npass`` passes: returns (prefix, r) where ``prefix`` holds the
+def _radix_select_desc(ku, m, rank, top_shift, npass, BITS: tl.constexpr):
+    """Radix select on uint32 values ``ku`` (lanes with ``m``), ``BITS`` bits per pass from bit
+    ``top_shift + BITS - 1`` down, ``npass`` passes: returns (prefix, r) where ``prefix`` holds the
     examined bits of the ``rank``-th largest value (0-based; lower bits zero) and ``r`` is its rank
     among the lanes sharing that prefix. With every bit examined, ``prefix`` is the value itself and
-    ``r + 1`` of its ties are needed. Each pass: a 16-bin histogram of the masked digits."""
-    dig = tl.arange(0, 16)
+    ``r + 1`` of its ties are needed. Each pass: a ``2**BITS``-bin histogram of the masked digits
+    (ballots per digit bit inside a warp, one shared-memory merge across warps); the per-pass fixed
+    cost (merge, barrier, bin scan) dominates, so 8-bit digits (4 passes for 32 bits) beat 4-bit
+    ones (8 passes)."""
+    NB: tl.constexpr = 1 << BITS
+    dig = tl.arange(0, NB)
     prefix = tl.zeros([], dtype=tl.uint32)
     pmask = tl.zeros([], dtype=tl.uint32)
     rr = rank
     for p in range(0, npass):
-        shift = (tl.zeros([], dtype=tl.int32) + top_shift - 4 * p).to(tl.uint32)
-        d = ((ku >> shift) & 0xF).to(tl.int32)
+        shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
+        d = ((ku >> shift) & (NB - 1)).to(tl.int32)
         match = m & ((ku & pmask) == prefix)
-        cnt = tl.histogram(d, 16, mask=match)  # warp ballots + one small shared-memory merge
+        cnt = tl.histogram(d, NB, mask=match)
         above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)  # lanes with a larger digit
         sel = (above <= rr) & (rr < above + cnt)
         dsel = tl.sum(tl.where(sel, dig, 0), 0)
         rr = rr - tl.sum(tl.where(sel, above, 0), 0)
         prefix = prefix | (dsel.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full([], 0xF, tl.uint32) << shift)
+        pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
     return prefix, rr
 
 
 @triton.jit
-def _resolve_store(keys, idx, m, base, need, n_passes, out):
+def _resolve_store(keys, idx, m, base, need, n_passes, out, BITS: tl.constexpr):
     """Write the ``need`` largest of (keys (uint32, relative to ``base``), idx) lanes ``m`` (in
-    position order: ties are taken lowest position first) to out[base + ...]."""
-    pref, rr = _radix_select_desc(keys, m, need - 1, 4 * n_passes - 4, n_passes)
+    position order: ties are taken lowest position first) to out[base + ...]. ``n_passes`` digits
+    of ``BITS`` bits cover every bit that varies among the keys."""
+    pref, rr = _radix_select_desc(keys, m, need - 1, BITS * n_passes - BITS, n_passes, BITS)
     above = m & (keys > pref)
     eq = m & (keys == pref)
-    tie_rank = tl.cumsum(eq.to(tl.int32), 0)
-    sel = above | (eq & (tie_rank <= rr + 1))
-    opos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+    # the ties taken up to lane i are min(#ties so far, rr + 1) because ties are taken in order.
+    if keys.shape[0] <= 16384:
+        # one packed scan: #above in the low, #ties in the high bits (counts <= 16384 < 2**15,
+        # so the high half stays positive in int32)
+        incl = tl.cumsum(above.to(tl.int32) | (eq.to(tl.int32) << 16), 0)
+        n_eq = incl >> 16
+        n_above = incl & 0xFFFF
+    else:  # CAP > 16384 (k > 8192): the counts do not fit 16 bits, two scans
+        n_eq = tl.cumsum(eq.to(tl.int32), 0)
+        n_above = tl.cumsum(above.to(tl.int32), 0)
+    sel = above | (eq & (n_eq <= rr + 1))
+    opos = base + n_above + tl.minimum(n_eq, rr + 1) - 1
     tl.store(out + opos, idx, mask=sel)
 
 
@@ -234,7 +249,7 @@ def _topk_segment_kernel(
     out_ptr, stride_o,
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
-    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr,
+    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr,
 ):
     """Pass 1 for rows longer than CAP, grid (rows, SPLIT): a window [lo, hi] from a pivot sample of
     the whole row (every program of the row computes the same one), then one streaming pass over
@@ -253,12 +268,14 @@ def _topk_segment_kernel(
         r_hi = tl.floor(e - mrg).to(tl.int32)
         r_lo = tl.ceil(e + mrg).to(tl.int32)
         all_s = js >= 0
-        # 20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
-        five = tl.full([], 5, tl.int32)
-        top = tl.full([], 28, tl.int32)
-        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, five)
-        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, five)
-        hi = tl.where(r_hi >= 0, _from_u(ph | 0xFFF), 2147483647)
+        # ~20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
+        SPASS: tl.constexpr = (20 + BITS - 1) // BITS
+        LOWMASK: tl.constexpr = (1 << (32 - BITS * SPASS)) - 1
+        npass = tl.full([], SPASS, tl.int32)
+        top = tl.full([], 32 - BITS, tl.int32)
+        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, npass, BITS)
+        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, npass, BITS)
+        hi = tl.where(r_hi >= 0, _from_u(ph | LOWMASK), 2147483647)
         lo = tl.where(r_lo < S, _from_u(pl), -2147483648)
         hi = tl.maximum(hi, lo)
         seg_len = tl.cdiv(L, SPLIT)
@@ -290,6 +307,7 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -307,7 +325,7 @@ def _topk_merge_kernel(
     elif L <= CAP:
         cm = cj < L
         ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
-        _resolve_store(ku, cj, cm, 0, K, tl.full([], 8, tl.int32), out)
+        _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
     else:
         ck = cat_k_ptr + row * CAP
         ci = cat_i_ptr + row * CAP
@@ -373,10 +391,11 @@ def _topk_merge_kernel(
             rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
             width = _to_u(hi) - lo_u
             npass = tl.full([], 1, tl.int32)
-            while (npass < 8) & ((width >> (4 * npass).to(tl.uint32)) != 0):
+            # (shift clamped to 31: a shift by 32 is undefined in LLVM even where npass stops the loop)
+            while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
                 npass += 1
             cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
-            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out)
+            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,7 +403,15 @@ def _topk_merge_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> dict:
+# Radix digit width of every select (constexpr BITS): 8-bit digits take 4 passes for a 32-bit key
+# where 4-bit digits take 8; each pass pays a cross-warp histogram merge and a barrier.
+RADIX_BITS = 8
+# Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
+SEG_MIN = 8192
+
+
+def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
+                bits: int = RADIX_BITS) -> dict:
     """Constexprs and launch options for a top-``k`` over ``rows`` rows of at most ``max_seq_len``.
 
     Picked from host-known sizes only (graph-safe). ``S`` (pivot sample) grows with the row so that
@@ -408,12 +435,14 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> 
     # power-of-two SPLIT (fewer distinct compiles): >= ~2 programs per SM, segments >= 8192
     want = max(1, (2 * num_sms) // max(rows, 1))
     split = 1
-    while split * 2 <= min(16, want, max(1, max_seq_len // 8192)):
+    while split * 2 <= min(16, want, max(1, max_seq_len // seg_min)):
         split *= 2
     # register budget (checked with cuobjdump, no spills on sm_90 / sm_120): CAP 4096 -> 8 warps,
     # 2048-wide chunks; CAP 8192 (k > 2048) -> 16 warps, 1024-wide chunks. The merge kernel always
     # takes 16 warps: at 8 it spills 64 B of stack on sm_120 with Triton 3.8 (vLLM 0.33.0's pin).
-    return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024,
+    if bits not in (4, 8):
+        raise ValueError(f"radix digit width must be 4 or 8 bits, got {bits}")
+    return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
 
 
@@ -447,7 +476,8 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if rows == 0:
         return out
     sms = 8 if (logits.device.type != "cuda" or _interpret()) else _num_sms(logits.device.index or 0)
-    cfg = topk_config(k, max_seq_len, rows, sms)
+    seg_min = overrides.pop("SEG_MIN", SEG_MIN)
+    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
@@ -461,11 +491,12 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
         _topk_segment_kernel[(rows, split)](
             *common, K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"], ZSIGMA=cfg["ZSIGMA"], SPLIT=split,
-            num_warps=num_warps,
+            BITS=cfg["BITS"], num_warps=num_warps,
         )
     _topk_merge_kernel[(rows,)](
         *common, K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"], RCHUNK=cfg["RCHUNK"],
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], num_warps=merge_warps,
+        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], BITS=cfg["BITS"],
+        num_warps=merge_warps,
     )
     return out
 
@@ -631,19 +662,19 @@ def SM120_COMPILE_SPECS() -> list[dict]:
         specs.append({
             "name": f"dsa_topk_segment[{tag}]", "fn": _topk_segment_kernel,
             "signature": dict(common_sig, **{n: "constexpr" for n in
-                                             ("K", "MODE", "S", "CAP", "CHUNK", "ZSIGMA", "SPLIT")}),
+                                             ("K", "MODE", "S", "CAP", "CHUNK", "ZSIGMA", "SPLIT", "BITS")}),
             "constexprs": {"K": k, "MODE": mode, "S": cfg["S"], "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
-                           "ZSIGMA": cfg["ZSIGMA"], "SPLIT": split},
+                           "ZSIGMA": cfg["ZSIGMA"], "SPLIT": split, "BITS": cfg["BITS"]},
             "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
         })
         specs.append({
             "name": f"dsa_topk_merge[{tag}]", "fn": _topk_merge_kernel,
             "signature": dict(common_sig, **{n: "constexpr" for n in
                                              ("K", "KFILL", "MODE", "CAP", "CHUNK", "RCHUNK", "SPLIT", "SPLIT_P",
-                                              "GCHUNK")}),
+                                              "GCHUNK", "BITS")}),
             "constexprs": {"K": k, "KFILL": cfg["KFILL"], "MODE": mode, "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
                            "RCHUNK": cfg["RCHUNK"], "SPLIT": split, "SPLIT_P": triton.next_power_of_2(split),
-                           "GCHUNK": cfg["GCHUNK"]},
+                           "GCHUNK": cfg["GCHUNK"], "BITS": cfg["BITS"]},
             "divisible_by_16": div16, "num_warps": merge_nw, "num_stages": 1,
         })
     return specs

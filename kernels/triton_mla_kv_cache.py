@@ -39,34 +39,35 @@ __all__ = [
     "SM120_COMPILE_SPECS",
 ]
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-HEAD_DIM = 576
-DS_GROUP = 128
-DS_ROW_BYTES = 656
+if __package__:
+    from . import mla_kv_format as _kvf
+else:  # loaded by file path, without its package (tools/sm120_check.py)
+    import importlib.util as _ilu
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _kvf = _sys.modules.get("_glm5_mla_kv_format")
+    if _kvf is None:
+        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
+        _kvf = _ilu.module_from_spec(_spec)
+        _sys.modules["_glm5_mla_kv_format"] = _kvf
+        _spec.loader.exec_module(_kvf)
+
+LATENT_DIM = _kvf.LATENT_DIM
+ROPE_DIM = _kvf.ROPE_DIM
+HEAD_DIM = _kvf.HEAD_DIM
+DS_GROUP = _kvf.DS_GROUP
 FP8_MAX = 448.0
 FLT_MIN = 1.1754943508222875e-38
 
-_FMT_DS_MLA = 0
-_FMT_FP8 = 1
-_FMT_16BIT = 2
-_FORMATS = {
-    "fp8_ds_mla": _FMT_DS_MLA,
-    "fp8": _FMT_FP8,
-    "fp8_e4m3": _FMT_FP8,
-    "auto": _FMT_16BIT,
-    "bfloat16": _FMT_16BIT,
-    "bf16": _FMT_16BIT,
-    "float16": _FMT_16BIT,
-    "half": _FMT_16BIT,
-}
+_FMT_DS_MLA = _kvf.FMT_DS_MLA
+_FMT_FP8 = _kvf.FMT_FP8
+_FMT_16BIT = _kvf.FMT_16BIT
 DS_SCALE_FORMATS = ("arbitrary_fp32", "pow2_fp32")
 
 
-def _format_code(kv_format: str) -> int:
-    if kv_format not in _FORMATS:
-        raise ValueError(f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMATS)}")
-    return _FORMATS[kv_format]
+def _format(kv_format: str, model_dtype: torch.dtype) -> "_kvf.KVRowFormat":
+    return _kvf.resolve_kv_format(kv_format, model_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,33 +174,6 @@ def _mla_kv_cache_write_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_cache(kv_cache: torch.Tensor, code: int, model_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
-    if kv_cache.dim() == 4:
-        if kv_cache.shape[2] != 1:
-            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension")
-    if code == _FMT_16BIT:
-        want = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "half": torch.float16}.get(kv_format, model_dtype)
-        if kv_cache.dtype != want:
-            raise ValueError(f"kv_format {kv_format!r} needs a {want} cache, got {kv_cache.dtype}")
-        width = HEAD_DIM
-    else:
-        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"kv_format {kv_format!r} needs a uint8/float8_e4m3fn cache, got {kv_cache.dtype}")
-        kv_cache = kv_cache.view(torch.uint8)
-        width = DS_ROW_BYTES if code == _FMT_DS_MLA else HEAD_DIM
-    if kv_cache.shape[2] != width:
-        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
-    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
-    return kv_cache
-
-
 def _check_inputs(kv_c, k_pe, slot_mapping):
     if kv_c.dim() != 2 or kv_c.shape[1] != LATENT_DIM:
         raise ValueError(f"kv_c must be [N, {LATENT_DIM}], got {tuple(kv_c.shape)}")
@@ -247,9 +221,10 @@ def mla_kv_cache_write(
             ``"pow2_fp32"`` (vLLM 0.33.0's writer); see the module docstring.
         validate: debug only (host sync): raise on slots >= num_blocks * block_size.
     """
-    code = _format_code(kv_format)
     k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
-    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    fmt = _format(kv_format, kv_c.dtype)
+    code = fmt.code
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
     if ds_scale_format not in DS_SCALE_FORMATS:
         raise ValueError(f"ds_scale_format must be one of {DS_SCALE_FORMATS}, got {ds_scale_format!r}")
     n = kv_c.shape[0]
@@ -314,9 +289,10 @@ def mla_kv_cache_write_reference(
     ds_scale_format: str = "arbitrary_fp32",
 ) -> None:
     """PyTorch reference of :func:`mla_kv_cache_write` (same arguments, same in-place bytes)."""
-    code = _format_code(kv_format)
     k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
-    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    fmt = _format(kv_format, kv_c.dtype)
+    code = fmt.code
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
     nb, bs, w = cache.shape
     n = kv_c.shape[0]
     slots = slot_mapping[:n].to(torch.int64)
@@ -361,19 +337,9 @@ def dequantize_mla_kv_cache(
     ``rope_dtype``: the 16-bit type of the ``fp8_ds_mla`` rope words (the model dtype) and the
     dtype of an ``auto`` cache.
     """
-    code = _format_code(kv_format)
-    cache = _check_cache(kv_cache, code, rope_dtype, kv_format)
-    if code == _FMT_16BIT:
-        return cache.to(torch.float32)
-    if code == _FMT_FP8:
-        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
-        return cache.contiguous().view(torch.float8_e4m3fn).to(torch.float32) * ks
-    c = cache.contiguous()
-    lat = c[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float32)
-    sc = c[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32)
-    lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
-    rope = c[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float32)
-    return torch.cat([lat, rope], dim=-1)
+    fmt = _format(kv_format, rope_dtype)
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
+    return _kvf.dequantize_rows(cache, fmt, k_scale, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ SM120/SM121, each a dict::
       "constexprs": {arg: value},       # values of the "constexpr" arguments
       "divisible_by_16": [arg, ...],    # arguments the launcher specializes as multiples of 16
       "num_warps": int, "num_stages": int,
+      "maxnreg": int,                   # optional: the register cap the launch passes
     }
 
 Every spec is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``
@@ -98,8 +99,13 @@ def compile_spec(spec: dict, arch: int) -> dict:
         if a not in names:
             raise KeyError(f"{spec['name']}: divisible_by_16 names unknown argument {a!r}")
         attrs[(names.index(a),)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=fn, signature=dict(spec["signature"]), constexprs=dict(spec.get("constexprs", {})), attrs=attrs)
+    src_cls = triton.compiler.ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel: Gluon's front end
+        from triton.experimental.gluon._runtime import GluonASTSource as src_cls
+    src = src_cls(fn=fn, signature=dict(spec["signature"]), constexprs=dict(spec.get("constexprs", {})), attrs=attrs)
     opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 1)}
+    if spec.get("maxnreg"):  # the launch passes maxnreg= too
+        opts["maxnreg"] = spec["maxnreg"]
     t0 = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     meta = k.metadata

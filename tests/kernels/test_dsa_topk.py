@@ -253,3 +253,40 @@ def test_split_rows_match_single_program(kind):
     z = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # forced fallback with split
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 600, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
     _check(z, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_digit_widths_are_exact(bits):
+    """Both radix digit widths (BITS 4: 8 passes / 5 sampled, 8: 4 / 3) give the documented top-k on
+    short rows (full 32-bit select), long rows (sampled window + resolve of the window's varying
+    bits) and the forced fallback."""
+    g = torch.Generator().manual_seed(23 + bits)
+    lens = torch.tensor([0, 9, 100, 128, 129, 400, 700], dtype=torch.int32)
+    for kind in ("randn", "ties", "spikes", "negative"):
+        lg = _rows(kind, 7, 700, g)
+        for z in (4.5, -30.0):
+            out = torch.full((7, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 700,
+                              **dict(SMALL, BITS=bits, ZSIGMA=z))
+            _check(out, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_topk_config_rejects_other_digit_widths():
+    with pytest.raises(ValueError, match="4 or 8"):
+        T.topk_config(2048, 4096, bits=5)
+
+
+def test_large_k_counts_past_16_bits():
+    """k > 8192 gives CAP 32768: the resolve's tie/above counts no longer fit the packed 16-bit scan
+    (the unpacked scans run); exact, with ties at the k-th value."""
+    k, n = 8200, 32768
+    g = torch.Generator().manual_seed(31)
+    lg = torch.randn(5, n, generator=g)
+    lg[1] = torch.randint(0, 3, (n,), generator=g).float()  # ~11k ties per value
+    lg[4] = 0.0  # 32768 ties: a packed count reaches 2**31, its last lane's store lands 32769 slots
+    # before the row (inside row 0 of this output: a packed scan shows as a wrong row 0)
+    lens = torch.tensor([n, n, 17000, 9000, n], dtype=torch.int32)
+    assert T.topk_config(k, n)["CAP"] == n
+    out = torch.full((5, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+    _check(out, T.persistent_topk_reference(lg, lens, k))

@@ -16,6 +16,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from .safety import child_kwargs, owned_tempdir
 from .project import VerifySpec
 from .tree import progress
 
@@ -183,7 +184,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
     """(b): in the installed environment, import vllm and the overlay's modules, check registrations."""
     payload = spec.to_json() if spec else {"imports": [], "attributes": []}
     payload["files"] = files
-    with tempfile.TemporaryDirectory(prefix="glm5-verify-") as td:
+    with owned_tempdir("glm5-verify-") as td:
         sp, op = Path(td) / "spec.json", Path(td) / "out.json"
         sp.write_text(json.dumps(payload))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -192,7 +193,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
         try:
             r = subprocess.run(
                 [str(python), "-c", _CHECKER, str(sp), str(op)], cwd=td, env=env,
-                capture_output=True, text=True, timeout=timeout,
+                capture_output=True, text=True, timeout=timeout, **child_kwargs(),
             )
         except subprocess.TimeoutExpired:
             return {"ok": False, "problems": [f"import checks did not finish in {timeout} s"], "checks": []}
@@ -232,7 +233,8 @@ def run_streaming(cmd: list[str], cwd: Path, env: dict, timeout: float, echo=_ec
     """Run cmd with stdout and stderr merged, handing each chunk to echo as it arrives (pytest's
     progress dots show while the tests run); returns (exit code, the output's last `keep` bytes),
     or (None, ...) after killing it at the timeout."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            **child_kwargs())
     deadline = time.monotonic() + timeout
     buf = bytearray()
     fd = proc.stdout.fileno()

@@ -46,6 +46,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.mla import triton_mla_sparse_compat as compat
+from vllm.v1.attention.ops import mla_kv_format
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,26 +65,24 @@ _DS_SCALE_FORMAT = API.ds_scale_format
 # Latent (kv_lora_rank) and rope widths of DeepSeek-V3.2-style MLA; GLM-5 uses
 # the same 512 + 64 whatever its qk_nope_head_dim (192): the absorbed decode
 # only ever sees 576-wide keys and 512-wide values.
-MLA_LATENT_DIM = 512
-MLA_ROPE_DIM = 64
-MLA_HEAD_SIZE = MLA_LATENT_DIM + MLA_ROPE_DIM
-FP8_DS_MLA_BYTES_PER_TOKEN = 656
+# Row layouts, aliases and sizes of the three cache formats: ops/mla_kv_format.py.
+MLA_LATENT_DIM = mla_kv_format.LATENT_DIM
+MLA_ROPE_DIM = mla_kv_format.ROPE_DIM
+MLA_HEAD_SIZE = mla_kv_format.HEAD_DIM
+FP8_DS_MLA_BYTES_PER_TOKEN = mla_kv_format.kv_cache_row_bytes("fp8_ds_mla")
 
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 
 
 def kv_format_of(kv_cache_dtype: str) -> str:
-    """Map vLLM's kv_cache_dtype string to the kernels' format name."""
-    if kv_cache_dtype == "fp8_ds_mla":
-        return "fp8_ds_mla"
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return "fp8"
-    if kv_cache_dtype in ("auto", "bfloat16", "float16"):
-        return "auto"
-    raise ValueError(
-        f"{BACKEND_NAME} does not support kv_cache_dtype={kv_cache_dtype!r}; "
-        "use auto/bfloat16, fp8/fp8_e4m3 or fp8_ds_mla."
-    )
+    """Check vLLM's kv_cache_dtype string against the kernels' formats and return
+    the name the kernels take (the string itself; they accept vLLM's names)."""
+    if kv_cache_dtype not in mla_kv_format.KV_FORMAT_ALIASES:
+        raise ValueError(
+            f"{BACKEND_NAME} does not support kv_cache_dtype={kv_cache_dtype!r}; "
+            "use auto/bfloat16, fp8/fp8_e4m3 or fp8_ds_mla."
+        )
+    return kv_cache_dtype
 
 
 class TritonMLASparseBackend(AttentionBackend):
@@ -184,7 +183,7 @@ class TritonMLASparseBackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         if cache_dtype_str == "fp8_ds_mla":
-            return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
+            return (num_blocks, block_size, mla_kv_format.kv_cache_row_elems(cache_dtype_str))
         return (num_blocks, block_size, head_size)
 
 
@@ -274,6 +273,10 @@ class TritonMLASparseImpl(
                 f"{self.kv_lora_rank} + {self.qk_rope_head_dim}"
             )
         self.kv_format = kv_format_of(kv_cache_dtype)
+        # fp8/fp8_e4m3: one per-tensor k_scale per layer, outside the rows.
+        self._per_tensor_k_scale = (
+            mla_kv_format.KV_FORMAT_ALIASES[self.kv_format] == mla_kv_format.FMT_FP8
+        )
         # The kernel reads a bf16/fp16 query; it dequantizes the cache itself.
         self.supports_quant_query_input = False
 
@@ -321,7 +324,7 @@ class TritonMLASparseImpl(
             indices,
             self.scale,
             self.kv_format,
-            k_scale=layer._k_scale if self.kv_format == "fp8" else None,
+            k_scale=layer._k_scale if self._per_tensor_k_scale else None,
         )
         return out, (lse if self.need_to_return_lse_for_decode else None)
 

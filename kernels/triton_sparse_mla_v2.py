@@ -1,0 +1,640 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA decode v2 for small head counts (H <= 16: GLM-5 at TP8 / TP4) over an ``fp8_ds_mla``
+KV cache, written in Gluon (Triton's lower-level dialect, shipped with Triton >= 3.5).
+
+Same interface and conventions as :func:`triton_sparse_mla.sparse_mla_decode` (read its module
+docstring): ``indices`` hold physical slots, negative or ``>= num_blocks * block_size`` = no token
+(never dereferenced), duplicates count once per occurrence, natural-log ``lse``, a row without a
+valid index gives ``out = 0`` and ``lse = -inf``, any strides of ``q`` / ``indices`` / ``out`` /
+``lse``, no host synchronization (CUDA-graph capturable).
+
+Why Gluon and not plain Triton: v1 (plain ``tl.dot``) re-materializes each K tile once per MMA
+operand layout (the tile crosses shared memory twice, as bytes, and is converted and scaled twice)
+and serializes ~11 CTA barriers per tile behind 200-250 registers (docs/notes/sparse_mla.md). Plain
+Triton has no way to say "this bf16 tile in shared memory is the B operand of both MMAs" or "these
+raw bytes go to a shared-memory ring by cp.async while the previous tile computes" for a gathered
+(index-addressed) tile. Gluon states both directly:
+
+* a 2-stage ring of raw cache rows in shared memory (latent bytes, the 4 group scales, the bf16
+  rope) filled by ``cp.async`` (16-byte copies; masked rows are zero-filled, nothing is read for
+  them); tile ``i+1`` is in flight while tile ``i`` is dequantized and computed;
+* each latent tile dequantized ONCE (e4m3 x its fp32 group scale -> q's dtype) into one bf16/fp16
+  shared-memory tile that is the B operand of both ``S = Q K^T`` and ``O += P V`` (``mma_v2``:
+  ``mma.sync``, the instruction family of SM80/SM86/SM89/SM120 and also available on SM90); the
+  rope part is used straight from the ring (it is already 16-bit);
+* ``q`` staged once per program in shared memory (its A operand is reloaded per 64-wide chunk, so
+  no warp keeps 576 columns of q in registers);
+* two CTA barriers per tile; ~100-130 registers, ~91 KB of shared memory with BLOCK_N = 32
+  (two CTAs per SM on SM90's 228 KB; one on SM120's 100 KB, where the ring still keeps a whole tile
+  (21 KB) in flight per SM).
+
+Scope: ``kv_format == "fp8_ds_mla"``, 1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability
+8.x, 9.x or 12.x, Triton with Gluon. Every other call goes to v1 (``sparse_mla_decode``) -- the
+fallback is explicit: :func:`v2_unsupported_reason` says why for a given call, and
+``sparse_mla_decode_v2(..., fallback=False)`` raises instead of falling back.
+
+Gluon kernels do not run in Triton's CPU interpreter; on CPU they are only compiled for a target
+(``SM120_COMPILE_SPECS``, ``tests/kernels/test_sparse_mla_v2.py``). The CPU reference is v1's
+float64 ``sparse_mla_decode_reference`` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # inside vLLM: vllm/v1/attention/ops/; standalone: the kernels/ namespace package
+    from . import triton_sparse_mla as _v1
+except ImportError:  # pragma: no cover - imported as a top-level module (tools/sm120_check.py)
+    import importlib.util as _ilu
+    import pathlib as _pl
+    import sys as _sys
+
+    _p = _pl.Path(__file__).with_name("triton_sparse_mla.py")
+    _spec = _ilu.spec_from_file_location("_triton_sparse_mla_for_v2", _p)
+    _v1 = _ilu.module_from_spec(_spec)
+    _sys.modules[_spec.name] = _v1
+    _spec.loader.exec_module(_v1)
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - Triton without Gluon (< 3.5): v1 only
+    HAS_GLUON = False
+
+__all__ = [
+    "sparse_mla_decode_v2",
+    "sparse_mla_decode_reference",
+    "v2_unsupported_reason",
+    "pick_config_v2",
+    "SM120_COMPILE_SPECS",
+    "HAS_GLUON",
+]
+
+sparse_mla_decode_reference = _v1.sparse_mla_decode_reference
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+HEAD_DIM = 576
+DS_ROW_BYTES = 656
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+SM120_SHARED_LIMIT = 101376
+# Register cap passed to the launch: without it ptxas for sm_90 stops at 168 registers and spills
+# (its occupancy heuristic; shared memory allows only 2 CTAs per SM anyway), with it 218, no spill.
+MAXNREG = 255
+
+
+# --------------------------------------------------------------------------------------------
+# Gluon kernel
+# --------------------------------------------------------------------------------------------
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _slots(idx_row, stride_ik, tile, lim, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """Raw int32 slots of one top-k tile in ``layout``; positions >= lim read as -1."""
+        offs = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+        return gl.load(idx_row + offs * stride_ik, mask=offs < lim, other=-1)
+
+    @gluon.jit
+    def _rows(slot, num_slots, block_size, stride_kb, stride_ks):
+        """Slots -> (valid, int64 byte offset of the row in the cache). Invalid slots -> row 0."""
+        valid = (slot >= 0) & (slot < num_slots)
+        s = gl.where(valid, slot, 0)
+        blk = s // block_size
+        row = blk.to(gl.int64) * stride_kb + (s - blk * block_size).to(gl.int64) * stride_ks
+        return valid, row
+
+    @gluon.jit
+    def _issue_tile(kv_ptr, lat_buf, sc_buf, rp_buf, sl_lat, sl_sc, sl_rp,
+                    num_slots, block_size, stride_kb, stride_ks,
+                    DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr):
+        """cp.async one tile of rows into one ring stage: 512 latent bytes, 4 fp32 scales, 64 rope
+        words per row. Masked (invalid) rows are not read; their shared memory is zero-filled."""
+        v, r = _rows(sl_lat, num_slots, block_size, stride_kb, stride_ks)
+        cl = gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT))
+        cp.async_copy_global_to_shared(lat_buf, kv_ptr + r[:, None] + cl[None, :], mask=v[:, None])
+        v, r = _rows(sl_sc, num_slots, block_size, stride_kb, stride_ks)
+        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC))
+        sp = (kv_ptr + r + 512).to(gl.pointer_type(gl.float32))
+        cp.async_copy_global_to_shared(sc_buf, sp[:, None] + c4[None, :], mask=v[:, None])
+        v, r = _rows(sl_rp, num_slots, block_size, stride_kb, stride_ks)
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_RP))
+        rp = (kv_ptr + r + 528).to(gl.pointer_type(DT))
+        cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
+
+    @gluon.jit
+    def _step(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+              qk_scale_log2, has_next,
+              lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+              nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr):
+        """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
+        the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
+        O += P V. Returns the loop state."""
+        GROUP: gl.constexpr = 128
+        QC: gl.constexpr = 64
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS],
+                                                      instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        COL_M: gl.constexpr = gl.SliceLayout(0, MMA)
+        ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+
+        # index loads for later tiles: latency hidden behind this tile's work
+        nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
+        nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_SC))
+        nn_rp = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_RP))
+        vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, COL_M)
+
+        cp.wait_group(0)  # this thread's copies of this tile landed
+        gl.thread_barrier()  # everyone's did; everyone is done with the previous tile
+        if has_next:
+            _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+        cp.commit_group()
+
+        # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group)
+        raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(0, 1, dim=1).load(L_DQ)
+        k0.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(1, 1, dim=1).load(L_DQ)
+        k1.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(2, 1, dim=1).load(L_DQ)
+        k2.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
+        k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        gl.thread_barrier()
+
+        # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64)
+        s = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+        for c in gl.static_range(2):
+            s = mma_v2(q_smem.slice(0 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                       k0.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+        for c in gl.static_range(2):
+            s = mma_v2(q_smem.slice(1 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                       k1.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+        for c in gl.static_range(2):
+            s = mma_v2(q_smem.slice(2 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                       k2.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+        for c in gl.static_range(2):
+            s = mma_v2(q_smem.slice(3 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                       k3.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+        s = mma_v2(qr_smem.load(OP_A), rp_c.permute((1, 0)).load(OP_B), s)
+
+        # softmax: S goes through shared memory once and comes back in the A-operand layout of
+        # the PV MMA (every warp holds whole rows, split over the 4 lanes of a quad), so the row
+        # max is a quad shuffle and P needs no further layout change: one CTA barrier
+        valid = (vs >= 0) & (vs < num_slots)
+        s_smem.store(gl.where(valid[None, :], s * qk_scale_log2, float("-inf")))
+        gl.thread_barrier()
+        s = s_smem.load(OP_A)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_acc = l_acc * alpha[:, None] + p  # row sums reduced once, after the loop
+        pa = p.to(DT)
+        alpha_o = gl.convert_layout(alpha, ROW_M)[:, None]
+        acc0 = mma_v2(pa, k0.load(OP_B), acc0 * alpha_o)
+        acc1 = mma_v2(pa, k1.load(OP_B), acc1 * alpha_o)
+        acc2 = mma_v2(pa, k2.load(OP_B), acc2 * alpha_o)
+        acc3 = mma_v2(pa, k3.load(OP_B), acc3 * alpha_o)
+        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_acc, acc0, acc1, acc2, acc3
+
+    @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
+                                  "tiles_per_split"])
+    def _sparse_mla_v2_kernel(
+        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        qk_scale_log2,
+        num_heads, topk, num_slots, block_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks,
+        stride_it, stride_ik,
+        stride_ot, stride_oh, stride_od,
+        stride_lt, stride_lh,
+        num_splits, tiles_per_split,
+        SPLIT: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):
+        GROUP: gl.constexpr = 128
+        DV: gl.constexpr = 512
+        DT: gl.constexpr = q_ptr.dtype.element_ty
+
+        # ---- layouts -------------------------------------------------------------------------
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS],
+                                                      instr_shape=[16, 8])
+        ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)  # [BLOCK_H] vectors (m, l, head offsets)
+        COL_M: gl.constexpr = gl.SliceLayout(0, MMA)  # [BLOCK_N] / [128] vectors along N
+        # cp.async sources: 16 contiguous bytes per thread (same as in _step)
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])  # [BN, 512] u8
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])  # [BN, 4] fp32
+        L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])  # [BN, 64] 16-bit
+        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])  # [BH, 128] q load
+        # shared memory: plain rows for the bytes and the scales, 16-byte-vector swizzle
+        # (ldmatrix-friendly) for every 16-bit tile an MMA reads. Two static ring stages (A, B)
+        # and one buffer per 128-group of K: separate allocations, so the compiler's barrier
+        # analysis sees them as independent.
+        SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+        lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+        sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+        sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+        rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, DV], SH_SW)
+        qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SH_SW)
+        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], SH_PLAIN)
+
+        # ---- program -> (token, head block, split) --------------------------------------------
+        n_hb = gl.cdiv(num_heads, BLOCK_H)
+        pid = gl.program_id(0)
+        hb = pid % n_hb
+        rest = pid // n_hb
+        sp = rest % num_splits
+        t = rest // num_splits
+
+        # ---- q -> shared memory (once) --------------------------------------------------------
+        offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        hq_mask = (offs_hq < num_heads)[:, None]
+        q_row = q_ptr + t.to(gl.int64) * stride_qt + offs_hq[:, None] * stride_qh
+        offs_c = gl.arange(0, DV, layout=gl.SliceLayout(0, L_Q))
+        q_smem.store(gl.load(q_row + offs_c[None, :] * stride_qd, mask=hq_mask, other=0.0))
+        offs_r = gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q))
+        qr_smem.store(gl.load(q_row + (DV + offs_r)[None, :] * stride_qd, mask=hq_mask, other=0.0))
+
+        # ---- this split's tiles ---------------------------------------------------------------
+        n_tiles = gl.maximum(gl.cdiv(topk, BLOCK_N), 1)
+        tile_lo = sp * tiles_per_split
+        n_t = gl.minimum(tiles_per_split, n_tiles - tile_lo)
+        lim = gl.minimum((tile_lo + tiles_per_split) * BLOCK_N, topk)
+        idx_row = idx_ptr + t.to(gl.int64) * stride_it
+        S_LAT: gl.constexpr = gl.SliceLayout(1, L_LAT)
+        S_SC: gl.constexpr = gl.SliceLayout(1, L_SC)
+        S_RP: gl.constexpr = gl.SliceLayout(1, L_RP)
+
+        # prologue: tile 0 in flight into stage A; slots of tile 1 (its copies) and tile 0 (mask)
+        _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
+                    num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+        cp.commit_group()
+        nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
+        nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
+        nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+        vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, COL_M)
+
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, OP_A))
+        l_acc = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=OP_A)
+        acc0 = gl.full([BLOCK_H, GROUP], 0.0, gl.float32, layout=MMA)
+        acc1 = gl.full([BLOCK_H, GROUP], 0.0, gl.float32, layout=MMA)
+        acc2 = gl.full([BLOCK_H, GROUP], 0.0, gl.float32, layout=MMA)
+        acc3 = gl.full([BLOCK_H, GROUP], 0.0, gl.float32, layout=MMA)
+
+        # two tiles per iteration: stage A then stage B (static buffers, no dynamic indexing)
+        for i in range(0, n_t, 2):
+            tile = tile_lo + i
+            nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
+                kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                qk_scale_log2, i + 1 < n_t,
+                lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+            if i + 1 < n_t:
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
+                    kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
+                    qk_scale_log2, i + 2 < n_t,
+                    lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+        cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
+
+        # ---- epilogue -------------------------------------------------------------------------
+        l_i = gl.convert_layout(gl.sum(l_acc, axis=1), ROW_M)
+        m_i = gl.convert_layout(m_i, ROW_M)
+        has = l_i > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_M)
+        hmask = offs_h < num_heads
+        offs_d = gl.arange(0, GROUP, layout=COL_M)
+        if SPLIT:
+            prow = (t.to(gl.int64) * num_heads + offs_h) * num_splits + sp
+            po = po_ptr + prow[:, None] * DV + offs_d[None, :]
+            gl.store(po + 0 * GROUP, acc0 * inv[:, None], mask=hmask[:, None])
+            gl.store(po + 1 * GROUP, acc1 * inv[:, None], mask=hmask[:, None])
+            gl.store(po + 2 * GROUP, acc2 * inv[:, None], mask=hmask[:, None])
+            gl.store(po + 3 * GROUP, acc3 * inv[:, None], mask=hmask[:, None])
+            gl.store(plse_ptr + prow, lse, mask=hmask)
+        else:
+            OT: gl.constexpr = out_ptr.dtype.element_ty
+            o_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h[:, None] * stride_oh
+            gl.store(o_row + (0 * GROUP + offs_d)[None, :] * stride_od, (acc0 * inv[:, None]).to(OT), mask=hmask[:, None])
+            gl.store(o_row + (1 * GROUP + offs_d)[None, :] * stride_od, (acc1 * inv[:, None]).to(OT), mask=hmask[:, None])
+            gl.store(o_row + (2 * GROUP + offs_d)[None, :] * stride_od, (acc2 * inv[:, None]).to(OT), mask=hmask[:, None])
+            gl.store(o_row + (3 * GROUP + offs_d)[None, :] * stride_od, (acc3 * inv[:, None]).to(OT), mask=hmask[:, None])
+            gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
+def _merge_kernel(
+    po_ptr, plse_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge ``num_splits`` partial (o normalized by its own sum, lse) pairs of one (token, head).
+    Program ``(t * H + h) * (512 // BLOCK_D) + d`` writes columns ``d*BLOCK_D ..`` of out[t, h]
+    and, for d == 0, lse[t, h]. All-empty rows give zeros and -inf."""
+    DV: tl.constexpr = 512
+    ND: tl.constexpr = DV // BLOCK_D
+    pid = tl.program_id(0)
+    dblk = pid % ND
+    row = pid // ND
+    h = row % num_heads
+    t = row // num_heads
+    base = row.to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    lse_s = tl.load(plse_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    finite = m > float("-inf")
+    m_safe = tl.where(finite, m, 0.0)
+    w = tl.where(smask, tl.exp(lse_s - m_safe), 0.0)
+    wsum = tl.sum(w, axis=0)
+    wn = tl.where(finite, w / tl.where(finite, wsum, 1.0), 0.0)
+    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    po = tl.load(po_ptr + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(po * wn[:, None], axis=0)
+    o_row = out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+    tl.store(o_row + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+    if dblk == 0:
+        lse = tl.where(finite, m_safe + tl.log(tl.where(finite, wsum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch (shapes and device only: CUDA-graph safe)
+# --------------------------------------------------------------------------------------------
+
+_SUPPORTED_MAJORS = (8, 9, 12)  # cp.async + mma.sync; 10.x (datacenter Blackwell) stays on v1
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(device: torch.device) -> tuple[int, int, int]:
+    """(major, minor, multiprocessor count) of a CUDA device, cached (no sync after the first call)."""
+    p = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    return p.major, p.minor, p.multi_processor_count
+
+
+def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
+    """Tile configuration of the v2 kernel (shapes and device only).
+
+    BLOCK_H 16 (the mma.sync M), BLOCK_N KV rows per tile, NUM_WARPS, WAVES (split the top-k range
+    until there are WAVES x SM-count programs) and MIN_TILES (never fewer tiles per split: the
+    prologue -- q staging, the first tile's copy -- is paid per program). Shared memory per CTA:
+    BLOCK_N * 1,824 B (ring 2 x 656, bf16 tile 1,152... see ``shared_bytes_v2``) + 18,432 B of q:
+    BLOCK_N 32 -> ~91 KB on every architecture (<= SM120's 101,376 B)."""
+    del num_heads, num_tokens
+    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": 2 if cc_major == 9 else 1,
+            "MIN_TILES": 4}
+
+
+def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16) -> int:
+    """Shared memory the kernel allocates explicitly (the compiler adds a small scratch for the
+    P layout conversion): ring 2 x (512 + 16 + 64*elem) B per row, the 16-bit K tile, q."""
+    return 2 * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
+
+
+def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None) -> str | None:
+    """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback)."""
+    if not HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if kv_format != "fp8_ds_mla":
+        return f"kv_format {kv_format!r}: v2 handles fp8_ds_mla only"
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        return "q is not [T, H, 576]"
+    h = q.shape[1] if num_heads is None else num_heads
+    if not 1 <= h <= 16:
+        return f"H = {h}: v2 handles 1..16 heads"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q.dtype}"
+    if not q.is_cuda:
+        return "not a CUDA tensor (Gluon kernels do not run in the interpreter)"
+    major = _device_props(q.device)[0]
+    if major not in _SUPPORTED_MAJORS:
+        return f"compute capability {major}.x: v2 runs on 8.x, 9.x and 12.x"
+    return None
+
+
+def _pick_splits(T: int, n_hb: int, n_tiles: int, num_sms: int, waves: float, min_tiles: int) -> int:
+    base = max(1, T * n_hb)
+    target = max(1, int(waves * num_sms))
+    if base >= target:
+        return 1
+    splits = triton.cdiv(target, base)
+    return max(1, min(splits, max(1, n_tiles // max(1, min_tiles)), MAX_SPLITS))
+
+
+def sparse_mla_decode_v2(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    validate: bool = False,
+    config: dict | None = None,
+    fallback: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode, v2 kernel where it applies (see the module docstring), else v1.
+
+    Arguments and results exactly as :func:`triton_sparse_mla.sparse_mla_decode`; ``config``
+    overrides keys of :func:`pick_config_v2` on the v2 path (v1's keys on the fallback path).
+    ``fallback=False`` raises ``NotImplementedError`` (with the reason) instead of calling v1.
+    """
+    reason = v2_unsupported_reason(q, kv_format)
+    if reason is not None:
+        if not fallback:
+            raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")
+        return _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
+                                     num_splits, validate=validate, config=config)
+    del k_scale  # fp8_ds_mla: the scales are in the rows
+    T, H, _ = q.shape
+    kv = kv_cache
+    if kv.dim() == 4:
+        if kv.shape[2] != 1:
+            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv.shape)}")
+        kv = kv.squeeze(2)
+    if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
+        raise ValueError(f"fp8_ds_mla kv_cache must be [num_blocks, block_size, {DS_ROW_BYTES}], got {tuple(kv.shape)}")
+    if kv.element_size() != 1 or kv.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"fp8_ds_mla needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv.dtype}")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    kv = kv.view(torch.uint8)
+    if kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
+        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
+    if indices.dim() != 2 or indices.shape[0] != T or indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32 [T={T}, topk], got {tuple(indices.shape)} {indices.dtype}")
+    for name, tns in (("kv_cache", kv), ("indices", indices)):
+        if tns.device != q.device:
+            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
+    topk = indices.shape[1]
+    num_blocks, block_size = kv.shape[0], kv.shape[1]
+    num_slots = num_blocks * block_size
+    if num_slots >= 2**31:
+        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
+    if out is None:
+        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device:
+        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    elif lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
+    if validate and T * topk > 0 and bool((indices >= num_slots).any().item()):
+        raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
+    if T == 0:
+        return out, lse
+
+    major, _, num_sms = _device_props(q.device)
+    cfg = dict(pick_config_v2(H, major, T))
+    if config:
+        cfg.update(config)
+    bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
+    n_hb = triton.cdiv(H, bh)
+    n_tiles = max(1, triton.cdiv(topk, bn))
+    if num_splits is None:
+        num_splits = _pick_splits(T, n_hb, n_tiles, num_sms, cfg["WAVES"], cfg["MIN_TILES"])
+    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
+    tiles_per_split = triton.cdiv(n_tiles, num_splits)
+    num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
+    split = num_splits > 1
+    if split:
+        po = torch.empty((T, H, num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po, plse = out, lse  # unused
+    _sparse_mla_v2_kernel[(T * n_hb * num_splits,)](
+        q, kv, indices, out, lse, po, plse,
+        float(softmax_scale) * _LOG2E,
+        H, topk, num_slots, block_size,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        num_splits, tiles_per_split,
+        SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw,
+        num_warps=nw, maxnreg=MAXNREG,
+    )
+    if split:
+        _merge_kernel[(T * H * (LATENT_DIM // 128),)](
+            po, plse, out, lse, H, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            BLOCK_S=16 if num_splits <= 16 else MAX_SPLITS, BLOCK_D=128, num_warps=4,
+        )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Compile specs (tools/sm120_check.py and tests/kernels/test_sparse_mla_v2.py)
+# --------------------------------------------------------------------------------------------
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list[dict]:
+    """Every v2 kernel configuration the dispatch can choose on a device of ``cc_major`` (or the
+    given ``configs``), for both q dtypes, split and not, plus the merge kernel."""
+    if configs is None:
+        seen = {}
+        for h in range(1, 17):
+            for t in (1, 4096):
+                c = pick_config_v2(h, cc_major, t)
+                seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"])] = c
+        configs = list(seen.values())
+    specs = []
+    if HAS_GLUON:
+        for c in configs:
+            bh, bn, nw = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"]
+            for qdt, qt in _PTR_TYPES.items():
+                for split in (False, True):
+                    sig = {
+                        "q_ptr": qt, "kv_ptr": "*u8", "idx_ptr": "*i32", "out_ptr": qt, "lse_ptr": "*fp32",
+                        "po_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale_log2": "fp32",
+                        "num_heads": "i32", "topk": "i32", "num_slots": "i32", "block_size": "i32",
+                        "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
+                        "stride_kb": "i32", "stride_ks": "i32",
+                        "stride_it": "i32", "stride_ik": "constexpr",
+                        "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
+                        "stride_lt": "i32", "stride_lh": "constexpr",
+                        "num_splits": "i32", "tiles_per_split": "i32",
+                        "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+                        "NUM_WARPS": "constexpr",
+                    }
+                    specs.append({
+                        "name": f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},split={int(split)}]",
+                        "fn": _sparse_mla_v2_kernel,
+                        "signature": sig,
+                        "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
+                                       "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw},
+                        "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
+                                            "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
+                                            "stride_it", "stride_ot", "stride_oh"],
+                        "num_warps": nw,
+                        "num_stages": 1,
+                        "maxnreg": MAXNREG,
+                    })
+    for qdt, qt in _PTR_TYPES.items():
+        for block_s in (16, MAX_SPLITS):
+            specs.append({
+                "name": f"sparse_mla_v2_merge[{str(qdt).split('.')[-1]},BLOCK_S={block_s}]",
+                "fn": _merge_kernel,
+                "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": qt, "lse_ptr": "*fp32",
+                              "num_heads": "i32", "num_splits": "i32",
+                              "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
+                              "stride_lt": "i32", "stride_lh": "constexpr",
+                              "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"},
+                "constexprs": {"stride_od": 1, "stride_lh": 1, "BLOCK_S": block_s, "BLOCK_D": 128},
+                "divisible_by_16": ["po_ptr", "plse_ptr", "out_ptr", "lse_ptr", "stride_ot", "stride_oh"],
+                "num_warps": 4,
+                "num_stages": 1,
+            })
+    return specs
+
+
+def SM120_COMPILE_SPECS() -> list[dict]:
+    """Every configuration the v2 dispatch can choose on SM120/SM121 (tools/sm120_check.py)."""
+    return compile_specs(12)

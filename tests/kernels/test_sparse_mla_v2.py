@@ -1,0 +1,389 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA decode v2 (kernels/triton_sparse_mla_v2.py, Gluon).
+
+CPU (CI): every configuration the v2 dispatch can choose compiles for sm_120, sm_121 and sm_90
+within 101,376 B of shared memory and without spills, and its PTX has the design's instructions
+(cp.async into shared memory, mma.sync, no wgmma); the fallback to v1 is explicit and exact.
+GPU (skipped without CUDA): the v2 kernel itself (``fallback=False``) against the float64
+reference on fresh random data, outputs poisoned with NaN first, every convention of
+``sparse_mla_decode``, the error bounded per (query row, head)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import triton_sparse_mla as v1
+from kernels import triton_sparse_mla_v2 as v2
+from kernels.triton_mla_kv_cache import mla_kv_cache_write
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+SCALE = 256 ** -0.5
+TOL_HEAD = {torch.bfloat16: 2.5e-2, torch.float16: 8e-3}  # per (row, head) relative L2 error
+TOL_ALL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}  # whole output (as tests/kernels/test_sparse_mla.py)
+TOL_LSE = {torch.bfloat16: 1e-1, torch.float16: 3e-2}  # max |lse - ref| (10 x TOL_ALL, as there)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compile checks (a subprocess: the test session runs Triton's interpreter)
+# --------------------------------------------------------------------------------------------
+
+def _compile(arch: int, tmp_path) -> list[dict]:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    js = tmp_path / f"v2_{arch}.json"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "sm120_check.py"), str(ROOT / "kernels" / "triton_sparse_mla_v2.py"),
+                          "--arch", str(arch), "--json", str(js)], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=1800)
+    print(res.stdout[-4000:])
+    assert res.returncode == 0, f"sm120_check failed for sm_{arch}:\n{res.stdout[-4000:]}\n{res.stderr[-2000:]}"
+    data = json.loads(js.read_text())
+    rows = data["rows"]
+    assert rows and all(r["ok"] for r in rows) and any(r["name"].startswith("sparse_mla_v2[") for r in rows), rows
+    return rows
+
+
+@pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("arch", [120, 90])
+def test_v2_compiles_within_limits(arch, tmp_path):
+    """sm_120 (SM120's 101,376 B limit) and sm_90 (the H200): every spec compiles, fits, no spills.
+    (tests/kernels/test_sm120_compile.py covers sm_121 through the same SM120_COMPILE_SPECS.)"""
+    _compile(arch, tmp_path)
+
+
+def test_v2_specs_cover_every_dispatch_config():
+    """The spec list is generated from the dispatch: every config pick_config_v2 can return for
+    any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
+    names = {s["name"] for s in v2.SM120_COMPILE_SPECS()}
+    for cc in (8, 9, 12):
+        for h in range(1, 17):
+            for t in (1, 2, 64, 4096):
+                c = v2.pick_config_v2(h, cc, t)
+                for dt in ("bfloat16", "float16"):
+                    for split in (0, 1):
+                        n = f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},split={split}]"
+                        assert n in names, n
+                assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
+
+
+@pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
+def test_v2_ptx_has_the_design(tmp_path):
+    """cp.async into shared memory, mma.sync (m16n8k16), no wgmma, and at most 3 CTA barriers per
+    KV tile in the main loop (v1: ~11), for the sm_120 and sm_90 builds."""
+    code = r'''
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import triton_sparse_mla_v2 as m
+res = {}
+for arch in (120, 90):
+    s = [x for x in m.SM120_COMPILE_SPECS() if x["name"].startswith("sparse_mla_v2[bfloat16") and "split=0" in x["name"]][0]
+    fn = s["fn"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in s["divisible_by_16"]}
+    src = GluonASTSource(fn=fn, signature=s["signature"], constexprs=s["constexprs"], attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": s["num_warps"], "maxnreg": s["maxnreg"]})
+    ptx = k.asm["ptx"]
+    res[arch] = {p: len(re.findall(re.escape(p), ptx)) for p in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k16", "wgmma", "bar.sync", "cp.async.wait_group")}
+print(json.dumps(res))
+'''
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for arch, c in res.items():
+        assert c["cp.async.cg.shared.global"] > 0 and c["mma.sync.aligned.m16n8k16"] > 0 and c["wgmma"] == 0, (arch, c)
+        # main loop: 2 tiles per iteration (stages A and B), 3 barriers each; + q staging / epilogue
+        assert c["bar.sync"] <= 2 * 3 + 4, (arch, c)
+
+
+def test_v2_fallback_is_explicit():
+    q = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
+    assert v2.v2_unsupported_reason(q, "fp8") is not None and "fp8_ds_mla" in v2.v2_unsupported_reason(q, "fp8")
+    assert "heads" in v2.v2_unsupported_reason(torch.zeros((2, 32, 576), dtype=torch.bfloat16), "fp8_ds_mla")
+    if not torch.cuda.is_available():
+        assert "CUDA" in v2.v2_unsupported_reason(q, "fp8_ds_mla")
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            v2.sparse_mla_decode_v2(q, torch.zeros((1, 16, 656), dtype=torch.uint8), torch.zeros((2, 4), dtype=torch.int32),
+                                    SCALE, "fp8_ds_mla", fallback=False)
+
+
+def test_v2_falls_back_to_v1_exactly(seed):
+    """Unsupported calls (here: CPU / interpreter, or H > 16, or fp8) give v1's result bit for bit."""
+    dev = "cuda" if GPU else "cpu"
+    dt = torch.bfloat16 if GPU else torch.float16
+    nb, bs = 4, 16
+    n = nb * bs
+    cache = torch.empty((nb, bs, 576), dtype=torch.uint8, device=dev)
+    ks = torch.tensor([0.05], device=dev)
+    mla_kv_cache_write(torch.randn((n, 512), device=dev).to(dt), torch.randn((n, 64), device=dev).to(dt), cache,
+                       torch.arange(n, device=dev), "fp8", ks)
+    q = torch.randn((3, 20, 576), device=dev).to(dt)
+    idx = torch.randint(-5, n + 5, (3, 40), device=dev, dtype=torch.int32)
+    o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8", ks)
+    o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8", ks)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the Gluon kernel's own body, emulated (tests/kernels/gluon_emulator.py)
+# --------------------------------------------------------------------------------------------
+
+def _cpu_cache(nb, bs, dtype, gen):
+    """fp8_ds_mla rows built in torch (0.26.0 writer math) on CPU."""
+    n = nb * bs
+    amp = torch.rand((n, 1), generator=gen) * 4 + 0.1
+    x = (torch.randn((n, 512), generator=gen) * amp).view(n, 4, 128)
+    sc = (x.abs().amax(dim=-1) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    lat = (x / sc[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, 512)
+    rope = torch.randn((n, 64), generator=gen).to(dtype).view(torch.uint8).reshape(n, 128)
+    return torch.cat([lat, sc.contiguous().view(torch.uint8).reshape(n, 16), rope], dim=1).view(nb, bs, 656)
+
+
+@pytest.fixture
+def emulated_v2(monkeypatch):
+    """sparse_mla_decode_v2 on CPU with the Gluon kernel emulated (the merge kernel runs in
+    Triton's interpreter) and the dispatch told it is on an SM120 part with 8 SMs."""
+    if not v2.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from tests.kernels.gluon_emulator import EmulatedLaunch
+
+    launch = EmulatedLaunch(v2, "_sparse_mla_v2_kernel")
+    monkeypatch.setattr(v2, "_sparse_mla_v2_kernel", launch)
+    monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(v2, "_device_props", lambda device: (12, 0, 8))
+    return launch
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_v2_conventions(emulated_v2, dtype, seed):
+    """The kernel body (ring order, masks, online softmax, splits, epilogue) against float64:
+    -1 / negative / out-of-range indices, an empty row, duplicates, topk not a multiple of the
+    tile, odd and even tile counts per split, H < 16, strided q / indices / out / lse."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 8, 16, 5, 5, 100
+    cache = _cpu_cache(nb, bs, dtype, gen)
+    big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
+    q = big[:, 1:1 + H, 10:10 + 576]
+    ib = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)
+    idx = ib[:, ::2]
+    idx[1] = -1
+    idx[2, :60] = 17
+    idx[3, :5] = nb * bs + 3
+    idx[3, 5:9] = -7
+    idx[4, 40:] = nb * bs
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    fin = torch.isfinite(rl)
+    for ns in (1, 2, 3, None):
+        out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1)
+        lse = torch.empty((H, T), dtype=torch.float32).t()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=ns, fallback=False)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+        assert torch.equal(torch.isfinite(lse), fin)
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
+        assert rel[fin].max().item() < TOL_HEAD[dtype], (ns, rel)
+        assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dtype]
+    assert emulated_v2.launches == 4
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+def test_emulated_v2_many_tiles(emulated_v2, seed):
+    """topk 2048 (64 tiles: the 2-stage ring wraps many times), H = 16, out in q's dtype, a
+    4-d cache view with a padded block stride; split and not split; zero-length top-k."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 64, 64, 16, 2, 2048
+    base = _cpu_cache(nb, bs, torch.bfloat16, gen)
+    padded = torch.zeros((nb, bs + 1, 1, 672), dtype=torch.uint8)
+    padded[:, :bs, 0, :656] = base
+    cache = padded[:, :bs, :, :656]
+    q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(nb * bs, generator=gen)[:topk] for _ in range(T)]).to(torch.int32)
+    idx[0, -300:] = -1
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    for ns in (1, 5):
+        out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=ns, fallback=False)
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+        assert rel.max().item() < TOL_HEAD[torch.bfloat16], rel.max()
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+    out, lse = v2.sparse_mla_decode_v2(q, cache, idx[:, :0], SCALE, "fp8_ds_mla", fallback=False)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the v2 kernel itself
+# --------------------------------------------------------------------------------------------
+
+def make_cache(nb, bs, dtype, device, scale_format="arbitrary_fp32"):
+    n = nb * bs
+    amp = torch.rand((n, 1), device=device) * 4 + 0.1
+    kv_c = (torch.randn((n, 512), device=device) * amp).to(dtype)
+    k_pe = torch.randn((n, 64), device=device).to(dtype)
+    cache = torch.empty((nb, bs, 656), dtype=torch.uint8, device=device)
+    mla_kv_cache_write(kv_c, k_pe, cache, torch.arange(n, device=device), "fp8_ds_mla", None, ds_scale_format=scale_format)
+    return cache
+
+
+def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
+    T, H, _ = q.shape
+    if out is None:
+        out = torch.empty((T, H, 512), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    out.fill_(float("nan"))  # poison
+    lse.fill_(float("nan"))
+    o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=num_splits,
+                                   config=config, fallback=False)
+    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
+    kv = cache if cache.dim() == 3 else cache.squeeze(2)
+    empty = ~((idx >= 0) & (idx < kv.shape[0] * kv.shape[1])).any(dim=1)
+    assert torch.all(lse[empty] == float("-inf")) and torch.all(out[empty] == 0)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
+    fin = torch.isfinite(rl)
+    head_err = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30), torch.zeros_like(rl))
+    worst = head_err.max().item() if head_err.numel() else 0.0
+    assert worst < TOL_HEAD[q.dtype], f"per-head relative error {worst:.2e} at {divmod(int(head_err.argmax()), H)}"
+    if fin.any():
+        err = ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+        assert err < TOL_ALL[q.dtype], f"relative error {err:.2e}"
+        lerr = (lse.double()[fin] - rl[fin]).abs().max().item()
+        assert lerr < TOL_LSE[q.dtype], f"lse error {lerr:.2e}"
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 5, 8, 16])
+@pytest.mark.parametrize("T", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_v2_shapes(H, T, dtype, seed):
+    nb, bs, topk = 512, 64, 2048
+    cache = make_cache(nb, bs, dtype, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(dtype)
+    idx = torch.stack([torch.randperm(nb * bs, device="cuda")[:topk] for _ in range(T)]).to(torch.int32)
+    idx[0, -300:] = -1
+    for ns in (None, 1, 2, 7):
+        check(q, cache, idx, num_splits=ns)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 31, 33, 100, 1152, 4096])
+@pytest.mark.parametrize("scale_format", ["arbitrary_fp32", "pow2_fp32"])
+def test_gpu_v2_topk_variants(topk, scale_format, seed):
+    nb, bs, T, H = 256, 64, 7, 8
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda", scale_format=scale_format)
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, topk), device="cuda", dtype=torch.int32)
+    idx[3] = -1
+    for ns in (None, 1, 3):
+        check(q, cache, idx, num_splits=ns)
+
+
+@pytest.mark.gpu
+def test_gpu_v2_edge_rows_duplicates_out_of_range(seed):
+    nb, bs, T, H, topk = 4, 16, 5, 8, 333
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, topk), device="cuda", dtype=torch.int32)
+    idx[1] = -1  # no valid index: zeros and -inf
+    idx[2, :] = 17  # one slot, 333 times
+    idx[3, :5] = nb * bs + 3  # out of range: contributes nothing
+    idx[3, 5:7] = -7  # any negative value = no token
+    idx[4, 40:] = nb * bs  # first out-of-range slot
+    for ns in (None, 1, 2, 11):
+        check(q, cache, idx, num_splits=ns)
+
+    def one(ix):
+        return v2.sparse_mla_decode_v2(q[:1], cache, torch.tensor([ix], device="cuda", dtype=torch.int32), SCALE,
+                                       "fp8_ds_mla", fallback=False)[1]
+    assert torch.allclose(one([5, 5, 9]), torch.logaddexp(one([5, 9, -1]), one([5, -1, -1])), atol=1e-3)
+    with pytest.raises(ValueError, match="slots"):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", validate=True)
+    # topk = 0: every row empty
+    e = torch.empty((2, 0), device="cuda", dtype=torch.int32)
+    check(q[:2], cache, e)
+
+
+@pytest.mark.gpu
+def test_gpu_v2_strided_views(seed):
+    """q, indices, out (fp32, permuted) and lse ([H, T].t()) as views; the cache a 4-d view with a
+    padded block stride; block size 16."""
+    nb, bs, T, H = 64, 16, 5, 16
+    base = make_cache(nb, bs, torch.bfloat16, "cuda")
+    padded = torch.zeros((nb, bs + 2, 1, 656 + 16), dtype=torch.uint8, device="cuda")
+    padded[:, :bs, 0, :656] = base
+    cache = padded[:, :bs, :, :656]
+    big = torch.randn((T, H + 3, 640), device="cuda").to(torch.bfloat16)
+    q = big[:, 2:2 + H, 32:32 + 576]
+    ib = torch.randint(-30, nb * bs + 30, (T, 4096), device="cuda", dtype=torch.int32)
+    idx = ib[:, ::2]
+    out = torch.empty((H, T, 512), dtype=torch.float32, device="cuda").transpose(0, 1)
+    lse = torch.empty((H, T), dtype=torch.float32, device="cuda").t()
+    for ns in (None, 1, 4):
+        check(q, cache, idx, num_splits=ns, out=out, lse=lse)
+
+
+@pytest.mark.gpu
+def test_gpu_v2_matches_v1(seed):
+    """v2 and v1 agree as closely as each agrees with float64 (same bf16 dequantization)."""
+    nb, bs, T, H = 512, 64, 9, 8
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-100, nb * bs, (T, 2048), device="cuda", dtype=torch.int32)
+    o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla")
+    o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
+    rel = (o1.double() - o2.double()).norm(dim=-1) / o1.double().norm(dim=-1)
+    assert rel.max().item() < 2e-2 and (l1 - l2).abs().max().item() < TOL_LSE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_v2_cuda_graph_capture(seed):
+    nb, bs, T, H = 256, 64, 2, 8
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (T, 2048), device="cuda", dtype=torch.int32)
+    out = torch.empty((T, H, 512), device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty((T, H), device="cuda", dtype=torch.float32)
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)  # warm up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)
+    for _ in range(2):  # new data in the same buffers
+        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
+        idx.copy_(torch.randint(-10, nb * bs, idx.shape, device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+        assert rel.max().item() < TOL_HEAD[torch.bfloat16]
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_v2_fallbacks_are_v1(seed):
+    """On the GPU: H > 16 and the other formats go to v1 (bit-identical results)."""
+    nb, bs = 64, 64
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((2, 32, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, nb * bs, (2, 2048), device="cuda", dtype=torch.int32)
+    assert v2.v2_unsupported_reason(q, "fp8_ds_mla") is not None
+    o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla")
+    o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert v2.v2_unsupported_reason(q[:, :8], "fp8_ds_mla") is None
