@@ -290,7 +290,9 @@ def test_profiling_run_reserves_the_triton_topk_scratch(require_triton_indexer, 
             requests.append(specs)
             return super().get_simultaneous(*specs)
 
-    monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(None))
+    ctx = _forward_context(None)
+    ctx.attn_metadata = None  # what the profiling (dummy) run has
+    monkeypatch.setattr(sai, "get_forward_context", lambda: ctx)
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Recording())
     if hasattr(sai, "_reserve_row_shard_exchange_transient"):  # 0.33.0: a DP/PCP exchange buffer
         monkeypatch.setattr(sai, "_reserve_row_shard_exchange_transient", lambda *a, **k: None)
