@@ -22,8 +22,8 @@ Decode, per shape (heads H, query rows T, topk 2048, KV formats ``fp8_ds_mla`` 6
    folds them into a checksum -- the memory-side limit of this access pattern, best of a few tile
    shapes; ``kernel_over_gather = us / gather_us``;
 3. FlashMLA's sparse FP8 decode from the pinned vLLM wheel (staged in ``.peers/<pin>/``), fp8_ds_mla
-   only, twice: as vLLM's ``FlashMLASparseImpl`` calls it (q zero-padded to 64/128 heads, output
-   sliced back and made contiguous: ``flashmla_us``, ``ratio_vs_flashmla``) and the kernel alone at
+   only, twice: as vLLM's ``FlashMLASparseImpl`` calls it (q zero-padded to 64/128 heads by a slice
+   copy, output sliced back: ``flashmla_us``, ``ratio_vs_flashmla``) and the kernel alone at
    the padded head count (``flashmla_kernel_us``, ``ratio_vs_flashmla_kernel``);
 4. the naive path (gather, dequantize to bf16, attention in PyTorch), unless ``--no-naive``;
 5. the floor: bytes that must move over the copy bandwidth measured in the same run.
@@ -250,8 +250,9 @@ def flashmla_padded_heads(H: int) -> int:
 def flashmla_fn(fmi, q, cache, idx, sched, as_vllm: bool = True):
     """FlashMLA's sparse FP8 decode, one query row per request: q [T, H, 576] -> [T, 1, Hpad, 576].
 
-    ``as_vllm``: exactly what vLLM 0.26.0's FlashMLASparseImpl does per call (zero-padded q built
-    from q, kernel, output sliced back to H heads and reshaped to [T, H, 512], a copy when padded).
+    ``as_vllm``: exactly what vLLM 0.26.0's FlashMLASparseImpl does per call (a zero-padded q and
+    a slice copy of q into it, the kernel, the output sliced back to H heads and viewed as
+    [T, H, 512] by reshape_attn_output_for_spec_decode: no copy).
     Otherwise the kernel alone on a q padded once outside (its output left padded)."""
     T, H, D = q.shape
     hp = flashmla_padded_heads(H)
@@ -279,7 +280,7 @@ def flashmla_fn(fmi, q, cache, idx, sched, as_vllm: bool = True):
         o, lse = kernel(qq)
         if H < hp:
             o = o[:, :, :H, :]
-        return o.reshape(T, H, 512), lse
+        return o.view(T, H, 512), lse
     return f
 
 
