@@ -255,14 +255,62 @@ def host_us(fn, calls: int = 1000, sync_every: int = 16, warmup: int = 20) -> fl
     return median(ts) * 1e6
 
 
-def copy_bandwidth(device=None, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of do_bench."""
-    import torch
-    import triton
+TIMING = {"target_ms": 15.0, "rounds": 5}  # defaults of time_graph_steps (scripts may update them)
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device or "cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
+
+def time_graph_steps(step, n_iter: int, target_ms: float | None = None, rounds: int | None = None):
+    """step(i) enqueues iteration i. Captures n_iter iterations in one CUDA graph; returns the
+    median per-iteration time in microseconds over ``rounds`` rounds of replays, and the spread
+    (max - min) / median. (Moved from bench/dsa_indexer.py.)"""
+    import torch
+
+    target_ms = TIMING["target_ms"] if target_ms is None else target_ms
+    rounds = TIMING["rounds"] if rounds is None else rounds
+    step(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_iter):
+            step(i)
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(200, int(target_ms / 1e3 / one)))
+    res = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / (reps * n_iter))
+    del g
+    return statistics.median(res), (max(res) - min(res)) / statistics.median(res)
+
+
+def copy_bandwidth(device=None) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written): a 2 GiB copy, five
+    rounds of five copies between CUDA events, median. (Moved from bench/dsa_indexer.py; both
+    benchmark scripts use it.)"""
+    import torch
+
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=device or "cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            y.copy_(x)
+        b.record()
+        b.synchronize()
+        res.append(2 * x.numel() * 5 / (a.elapsed_time(b) * 1e-3))
+    del x, y
     torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3)
+    return statistics.median(res)
