@@ -37,6 +37,10 @@ workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` is st
 ``flash_mla_sparse_fwd`` over it, heads padded to the prefill kernel's multiple (64 on SM90, 128 on
 SM100, read from the 0.26.0 source). Eager calls timed with CUDA events.
 
+Also timed: ``workspace_us``, the prefill workspace design's first measurable form (the request's
+context dequantized once by ``mla_kv_gather_dequant`` into a bf16 workspace, then this kernel over
+it in the ``bfloat16`` format with request positions as indices).
+
 Every record is checked against the float64 reference (``rel_err``; prefill on a sample of rows)
 and carries the command that produced it; ``--time-budget S`` stops starting shapes so results are
 written within S seconds (``incomplete`` lists what was skipped). ``--sm120-proxy`` needs
@@ -520,6 +524,28 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
     rec["us"] = common.time_events([lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")])
     rec["host_us"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla"),
                                     calls=args.host_calls)
+    # the workspace design (docs/notes/sparse_mla.md), steps 1 + 3: the request's context
+    # dequantized once into a bf16 workspace, then the same kernel over it in the bfloat16 format
+    # with request positions as indices
+    from kernels.triton_mla_kv_cache import mla_kv_gather_dequant
+
+    ws = torch.empty((ctx, 576), dtype=torch.bfloat16, device=device)
+    bt = table.view(1, -1)
+    one_len = torch.tensor([ctx], dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def ws_gather():
+        mla_kv_gather_dequant(cache, bt, one_len, zero, ws, "fp8_ds_mla", max_seq_len=ctx)
+
+    def ws_attn():
+        return sparse_mla_decode(q, ws.view(ctx, 1, 576), positions, SOFTMAX_SCALE, "bfloat16")[0]
+
+    ws_gather()
+    o_ws = ws_attn()
+    rec["workspace_rel_err_sampled_rows"] = rel_err(o_ws[sample], ro)
+    rec["workspace_us"] = common.time_events([ws_gather, ws_attn])
+    rec["workspace_steps_us"] = {"gather_dequant": common.time_events([ws_gather]),
+                                 "attention_bf16": common.time_events([ws_attn])}
     if fmi is not None:
         cc = torch.cuda.get_device_capability()[0]
         steps, what = flashmla_prefill_fns(fmi, vllm_c, q, cache, table, positions, slots, lengths, ctx, cc)
@@ -531,6 +557,7 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
         if len(steps) > 1:
             rec["flashmla_steps_us"] = {n: common.time_events([f]) for n, f in steps}
         rec["ratio_vs_flashmla"] = common.ratio(rec["us"], rec["flashmla_us"])
+        rec["workspace_ratio_vs_flashmla"] = common.ratio(rec["workspace_us"], rec["flashmla_us"])
     return rec
 
 
@@ -595,7 +622,8 @@ def decode_table(records: list[dict], proxy: bool = False) -> list[str]:
     return lines
 
 
-PREFILL_COLUMNS = "| context | H | rows | ours us | FLASHMLA_SPARSE us | ours/FLASHMLA_SPARSE | its path | host us | rel err (64 rows) |"
+PREFILL_COLUMNS = ("| context | H | rows | ours us | ours via workspace us | FLASHMLA_SPARSE us | ours/FLASHMLA_SPARSE | "
+                   "workspace/FLASHMLA_SPARSE | its path | host us | rel err (64 rows) |")
 
 
 def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
@@ -603,8 +631,9 @@ def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
     for r in records:
         if bool(r.get("sm120_proxy")) != proxy:
             continue
-        lines.append(f"| {r['context']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('flashmla_us'))} | "
-                     f"{_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | {r.get('flashmla_path', '-')} | "
+        lines.append(f"| {r['context']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('workspace_us'))} | "
+                     f"{_f(r.get('flashmla_us'))} | {_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | "
+                     f"{_f(r.get('workspace_ratio_vs_flashmla'), '{:.2f}')} | {r.get('flashmla_path', '-')} | "
                      f"{_f(r.get('host_us'))} | {_f(r.get('rel_err_sampled_rows'), '{:.1e}')} |")
     return lines
 

@@ -197,7 +197,7 @@ def test_tables_and_readme_sections(tmp_path):
     (tmp_path / "sparse_decode_h200.json").write_text(json.dumps(res))
     pre = {"device": "NVIDIA H200", "topk": 2048, "runs": [{"command": "python bench/sparse_mla_decode.py --prefill"}],
            "records": [{"context": 8192, "heads": 8, "tokens": 8192, "us": 900.0, "flashmla_us": 1000.0,
-                        "ratio_vs_flashmla": 0.9, "flashmla_path": "FP8 decode kernel, heads padded to 64",
+                        "ratio_vs_flashmla": 0.9, "workspace_us": 500.0, "workspace_ratio_vs_flashmla": 0.5, "flashmla_path": "FP8 decode kernel, heads padded to 64",
                         "host_us": 8.0, "rel_err_sampled_rows": 4e-3}]}
     (tmp_path / "sparse_prefill_h200.json").write_text(json.dumps(pre))
     readme = ("intro\n<!-- sparse-mla-decode:begin -->\nstale\n<!-- sparse-mla-decode:end -->\nmiddle\n"
@@ -205,7 +205,7 @@ def test_tables_and_readme_sections(tmp_path):
     out = RT.render_readme(readme, tmp_path)
     assert out.startswith("intro\n") and out.endswith("end\n") and "\nmiddle\n" in out and "stale" not in out
     assert "| fp8_ds_mla | 8 | 1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
-    assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 1000.0 | 0.90 |" in out
+    assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 500.0 | 1000.0 | 0.90 | 0.50 |" in out
     assert "`python bench/sparse_mla_decode.py --prefill`" in out
     assert RT.render_readme(out, tmp_path) == out  # idempotent
     (tmp_path / "sparse_prefill_h200.json").unlink()
