@@ -162,6 +162,17 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
     monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(md))
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
     buffer = torch.full((T + 4, topk), -7, dtype=torch.int32)
+    # upstream's call semantics: DeepGEMM's logits are called with clean_logits=False (0.26.0) or
+    # leave the tail uncleaned (0.33.0): the Triton logits must be called the same way
+    calls = []
+    for name in ("fp8_mqa_logits", "fp8_paged_mqa_logits"):
+        orig = getattr(triton_dsa_indexer, name)
+
+        def spy(*a, _orig=orig, _name=name, **kw):
+            calls.append((_name, kw.get("clean_logits", True)))
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(sai.triton_dsa_indexer, name, spy)
 
     sai.sparse_attn_indexer(
         torch.empty(T, 16),  # hidden_states: only its length is read
@@ -191,3 +202,57 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         ref = _reference_logits(q[t].float(), weights[t], k_deq[r], 0, p + 1)
         _check_topk(buffer[t], ref, topk)
     assert (buffer[T:] == -7).all(), "rows past the step's tokens must be left alone"
+    assert sorted(calls) == [("fp8_mqa_logits", False), ("fp8_paged_mqa_logits", False)], calls
+
+
+@pytest.mark.parametrize("use_triton_indexer", [True, False])
+def test_mtp_draft_decode_metadata_skips_deepgemm_with_triton_indexer(
+    require_triton_indexer, monkeypatch, use_triton_indexer
+):
+    """The MTP draft path (`update_draft_decode_metadata`, 0.33.0+) re-derives the decode metadata;
+    with the Triton indexer it must not call DeepGEMM's schedule metadata (DeepGEMM may not run
+    there), without it it still does (upstream's behaviour, so this test can tell them apart)."""
+    import vllm.v1.attention.backends.mla.indexer as idx
+
+    method = getattr(idx.DeepseekV32IndexerMetadataBuilder, "update_draft_decode_metadata", None)
+    if method is None:
+        pytest.skip("this pin has no MTP draft decode metadata update")
+    called = []
+
+    def fake_metadata(*a, **kw):
+        called.append(True)
+        return torch.zeros(3, 2, dtype=torch.int32)
+
+    monkeypatch.setattr(idx, "get_paged_mqa_logits_metadata", fake_metadata)
+    monkeypatch.setattr(idx, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(idx.current_platform, "is_cuda", lambda: True)
+    n = 2
+    decode = types.SimpleNamespace(
+        block_table=torch.zeros(n, 4, dtype=torch.int32),
+        indices=None,
+        per_req_decode_lens=None,
+        seq_lens=torch.zeros(n, 1, dtype=torch.int32),
+        decode_lens=torch.zeros(n, dtype=torch.int32),
+        schedule_metadata=torch.zeros(3, 2, dtype=torch.int32),
+    )
+    md = types.SimpleNamespace(
+        decode=decode,
+        num_decode_tokens=n,
+        num_prefills=0,
+        num_decodes=n,
+        block_table=torch.arange(n * 4, dtype=torch.int32).view(n, 4),
+        seq_lens=torch.tensor([70, 9], dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+    )
+    builder = types.SimpleNamespace(
+        dcp_world_size=1,
+        compress_ratio=1,
+        arange_buffer=torch.arange(16, dtype=torch.int32),
+        use_triton_indexer=use_triton_indexer,
+        num_sms=2,
+        kv_cache_spec=types.SimpleNamespace(num_states=64, block_size=64),
+    )
+    method(builder, md)
+    assert torch.equal(decode.seq_lens.view(-1), md.seq_lens)  # the rest of the update still ran
+    assert torch.equal(decode.block_table, md.block_table)
+    assert called == ([] if use_triton_indexer else [True])

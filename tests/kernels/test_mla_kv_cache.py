@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """MLA KV-cache writer: bytes vs the PyTorch reference of vLLM's writer (CPU interpreter and GPU),
-and on the GPU vs vLLM's own compiled writer kernels (0.26.0 and 0.33.0 cubins staged in .peers/)."""
+and on the GPU vs vLLM's own compiled writer kernels (0.26.0 and 0.33.0 cubins, staged in
+.peers-carry/ by e2e/gpu_tests.py --prepare)."""
 
 from __future__ import annotations
 
@@ -156,7 +157,9 @@ def test_write_property(n, bs, fmt, sf):
 # GPU: GLM-5-sized writes, and byte equality with vLLM's compiled writer kernels
 # --------------------------------------------------------------------------------------------
 
-CUBINS = ROOT / ".peers" / "vllm_cubins"
+# staged by `python3 e2e/gpu_tests.py --prepare` (.peers-carry/) or bench/sparse_mla_decode.py
+# --prepare-peers (.peers/); required under GLM5_REQUIRE_PEERS=1 (tests/kernels/vllm_peers.py)
+CUBIN_DIRS = (ROOT / ".peers-carry" / "vllm_cubins", ROOT / ".peers" / "vllm_cubins")
 _MANGLED = {  # <bf16 input, uint8 cache, kFp8E4M3>; 0.33.0 added a `skip_scale` bool (false) to the fp8 writer
     ("0.26.0", "fp8_ds_mla"): "_ZN4vllm30concat_and_cache_ds_mla_kernelI13__nv_bfloat16hLNS_18Fp8KVCacheDataTypeE1EEEvPKT_S5_PT0_PKliiiiiiiPKf",
     ("0.33.0", "fp8_ds_mla"): "_ZN4vllm30concat_and_cache_ds_mla_kernelI13__nv_bfloat16hLNS_18Fp8KVCacheDataTypeE1EEEvPKT_S5_PT0_PKliiiiiiiPKf",
@@ -167,12 +170,18 @@ _MANGLED = {  # <bf16 input, uint8 cache, kFp8E4M3>; 0.33.0 added a `skip_scale`
 
 def _vllm_write(version, fmt, kv_c, k_pe, cache, slots, k_scale):
     """Run vLLM's own writer kernel (sm_90 cubin from the release wheel) via CuPy."""
-    cp = pytest.importorskip("cupy")
+    from tests.kernels import vllm_peers
+
+    try:
+        import cupy as cp
+    except ImportError:
+        vllm_peers.unavailable("CuPy is not installed (it launches vLLM's writer cubins)")
     import numpy as np
 
-    path = CUBINS / f"cache_kernels_sm90_{version}.cubin"
-    if not path.exists():
-        pytest.skip(f"{path} not staged (python bench/sparse_mla_decode.py --prepare-peers)")
+    name = f"cache_kernels_sm90_{version}.cubin"
+    path = next((d / name for d in CUBIN_DIRS if (d / name).exists()), None)
+    if path is None:
+        vllm_peers.unavailable(f"{name} not staged (python3 e2e/gpu_tests.py --prepare)")
     mod = cp.RawModule(path=str(path))
     fn = mod.get_function(_MANGLED[(version, fmt)])
     n = kv_c.shape[0]

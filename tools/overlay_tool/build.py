@@ -17,7 +17,7 @@ from .patches import FIXED_EPOCH, PatchFile
 from .pins import Pin
 from .project import OverlayFile, sha256_file
 from .safety import child_kwargs, owned_tempdir
-from .tree import Tree, progress
+from .tree import Tree, _fault, progress
 
 LOCAL_TAG = "glm5"
 
@@ -157,6 +157,7 @@ def _pack(staging: Path, out: Path, total: int) -> None:
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     try:
+        _fault("during-pack")
         output, _ = proc.communicate()
     except BaseException:  # Ctrl-C / SIGTERM: no orphaned `wheel pack` writing on
         proc.kill()

@@ -372,7 +372,9 @@ def run(ns: argparse.Namespace) -> int:
     if verb == "check":
         return cmd_check(ctx)
     pin = ctx.pin
-    if verb in WRITES_TREE and not (ctx.dry_run and verb != "all"):
+    if not ctx.dry_run:
+        _clean_stale(ctx, pin)
+    if verb in WRITES_TREE and not ctx.dry_run:  # a dry run writes nothing: no lock, no work/ folder
         from .safety import TreeLock
         from .tree import lock_path
 
@@ -386,6 +388,21 @@ def run(ns: argparse.Namespace) -> int:
         with TreeLock(lock_path(path, managed), str(path), ctx.wait, log):
             return run_verb(ctx, verb, pin)
     return run_verb(ctx, verb, pin)
+
+
+def _clean_stale(ctx: Ctx, pin) -> None:
+    """Remove what killed runs left for this pin (their owners are dead): temporary trees, build
+    folders, downloads. Live runs' folders are kept (their owner files are locked)."""
+    from .safety import clean_stale
+
+    path, managed = ctx.tree_path(pin)
+    removed = []
+    if managed:
+        removed += clean_stale(path.parent, f"{path.name}.tmp-")
+    removed += clean_stale(ctx.out_dir(pin) / "dist", "glm5-build-")
+    removed += clean_stale(ctx.cache, ".download-")
+    for d in removed:
+        log(f"removed {d} (left by a run that was killed)")
 
 
 def run_verb(ctx: Ctx, verb: str, pin) -> int:

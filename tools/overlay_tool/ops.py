@@ -5,7 +5,6 @@ import difflib
 import re
 import shutil
 import subprocess
-import tempfile
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -368,7 +367,7 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
 
 
 def _files_commit(tree: Tree, parent: str, files: list[OverlayFile], title, description, name, email, env) -> str:
-    with tempfile.TemporaryDirectory() as td:
+    with owned_tempdir("glm5-index-") as td:
         ienv = dict(env, GIT_INDEX_FILE=str(Path(td) / "index"))
         tree.g.run("read-tree", parent, env=ienv)
         blobs = tree.g.out("hash-object", "-w", "--no-filters", "--stdin-paths",

@@ -35,8 +35,10 @@ BACKUP_REF = "refs/glm5-overlay/before-rebuild"  # HEAD before `apply --rebuild`
 OVERLAY_TRAILER = "Glm5-Overlay"
 WHEEL_TRAILER = "Wheel-Sha256"
 # Fault injection for the tests (tests/tool/test_recovery.py): GLM5_OVERLAY_FAULT=<point>[:sigkill].
-# Points: after-patch-<n>, before-checkout, checkout-partial (leaves part of the switch unwritten),
-# after-checkout, before-restore.
+# Points: baseline-imported, after-patch-<n>, before-checkout, checkout-partial (leaves part of the
+# switch unwritten), after-checkout, mid-restore (recovery: branch moved back, files not yet),
+# during-pack (build, while `wheel pack` runs).
+# <how>: raise KeyboardInterrupt (default) or send the process sigkill / sigterm / sighup.
 FAULT_ENV = "GLM5_OVERLAY_FAULT"
 
 FORMAT_PATCH_OPTS = [
@@ -68,8 +70,9 @@ def _fault(point: str) -> None:
     name, _, how = spec.partition(":")
     if name != point:
         return
-    if how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if how in ("sigkill", "sigterm", "sighup"):
+        os.kill(os.getpid(), getattr(signal, how.upper()))
+        time.sleep(5)  # the handler (SIGTERM/SIGHUP: safety.handle_signals) raises here
     raise KeyboardInterrupt(f"fault injected at {point}")
 
 
@@ -114,6 +117,7 @@ def create_baseline(dest: Path, pin: Pin, wheel: Path, checkout: bool = True, bi
     with owned_tempdir(dest.name + ".tmp-", dest.parent) as tmp:
         g = Git.init(tmp, pin.branch)
         _fast_import(g, pin, wheel, binaries)
+        _fault("baseline-imported")
         if checkout:
             with progress(total=1, desc="checking out baseline", unit="tree"):
                 g.run("read-tree", "-u", "--reset", "HEAD")
@@ -439,6 +443,10 @@ class Tree:
             return sim
         mismatch = self.first_mismatch(commits, patches)
         if mismatch is not None:
+            try:  # a series that does not apply to a fresh baseline is named as such (patch and hunk)
+                self.simulate(self.base, patches, overlay)
+            except PatchError as fresh:
+                raise self._fresh(fresh) from None
             raise RefusedError(self._mismatch_message(mismatch, commits, patches, state))
         try:
             sim = self.simulate(start, patches, overlay)
@@ -467,6 +475,8 @@ class Tree:
         keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (re-applies the series from {self.pin.tag}; "
                 f"the old HEAD is kept as {BACKUP_REF}); to keep the tree: `tools/apply.py refresh --force` "
                 f"(overwrites patches/{v} with the tree's commits)")
+        if state == "patches-newer" and not (self.read_sync() or {}).get("exported"):
+            state = "both"  # the tree also held commits that were never exported
         if state == "patches-newer":
             why = f"patches/{v} was edited after this tree was last applied/refreshed, and the tree has not changed since"
             keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (the tree holds nothing patches/ lacked); "
@@ -476,7 +486,8 @@ class Tree:
             keep = (f"to keep the tree: `tools/apply.py refresh` (exports the commits); to drop the tree's changes: "
                     f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})")
         elif state == "both":
-            why = f"both patches/{v} and the tree's commits changed since the tree was last applied/refreshed"
+            why = (f"patches/{v} was edited after the tree was last applied/refreshed, and the tree holds commits "
+                   f"that patches/{v} does not have")
             keep = (f"nothing chooses for you: save one side first; `tools/apply.py refresh --force` keeps the tree "
                     f"(overwrites patches/{v}), `tools/apply.py apply --rebuild --force` keeps patches/{v} "
                     f"(old HEAD kept as {BACKUP_REF})")
@@ -489,14 +500,16 @@ class Tree:
         try:
             self.simulate(self.base, patches, overlay)
         except PatchError as fresh:
-            return PatchError(str(fresh).replace(f"does not apply to {self.path}:",
-                                                 f"does not apply to a fresh {self.pin.tag} tree:", 1))
+            return self._fresh(fresh)
         return RefusedError(
             f"patches/{self.pin.version} applies to a fresh {self.pin.tag} tree but not on top of this tree's "
             f"commits ({err}); the tree holds commits that patches/ does not have.\n"
             f"to keep the tree: `tools/apply.py refresh`; to keep patches/{self.pin.version}: "
             f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})"
         )
+
+    def _fresh(self, err: PatchError) -> PatchError:
+        return PatchError(str(err).replace(f"does not apply to {self.path}:", f"does not apply to a fresh {self.pin.tag} tree:", 1))
 
     # ----------------------------------------------------------- sync record
     def read_sync(self) -> dict | None:
@@ -647,16 +660,18 @@ class Tree:
         problems += [f"{p}: changed, not by the interrupted apply" for p in foreign]
         mine = [p for p in dirty if p in ours]
         if mine:
+            lit = {"GIT_LITERAL_PATHSPECS": "1"}  # file names are not patterns
+
             def blobs(commit):
                 res = {}
-                for line in g.out("ls-tree", "-r", commit, "--", *mine).splitlines():
+                for line in g.out("ls-tree", "-r", commit, "--", *mine, env=lit).splitlines():
                     meta, path = line.split("\t", 1)
                     res[path] = meta.split()[2]
                 return res
 
             allowed_o, allowed_t = blobs(orig), blobs(target)
             idx = {}
-            for line in g.out("ls-files", "-s", "--", *mine).splitlines():
+            for line in g.out("ls-files", "-s", "--", *mine, env=lit).splitlines():
                 meta, path = line.split("\t", 1)
                 idx[path] = meta.split()[1]
             present = [p for p in mine if (self.path / p).is_file() and not (self.path / p).is_symlink()]
@@ -707,11 +722,11 @@ class Tree:
                 raise RefusedError(f"{lock} is held by a running process (pid {', '.join(map(str, pids))}); "
                                    f"wait for it to finish, then run the command again")
             lock.unlink()  # left by a git that this tool ran and that died with it
-        _fault("before-restore")
         g = self.g
         orig, branch = j["orig_head"], j.get("orig_branch")
         if branch:
             g.run("update-ref", f"refs/heads/{branch}", orig)
+            _fault("mid-restore")
             g.run("checkout", "-q", "-f", branch)
         else:
             g.run("checkout", "-q", "-f", "--detach", orig)

@@ -11,7 +11,6 @@ import re
 import selectors
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
