@@ -32,8 +32,9 @@ Prefill (``--prefill``): one request, contexts 8k and 32k, a chunk of 8,192 quer
 8,192 positions), each row's top-k causal within the request, H = 8 and 64, against what vLLM's
 FLASHMLA_SPARSE does for that prefill at that head count: below 32 heads its FP8 decode kernel over
 all rows (heads padded to 64); from 32 heads the request's context upconverted into a bf16
-workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` is staged with
-``--prepare-peers --with-vllm-c``, else a PyTorch equivalent, recorded) and
+workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` came along in
+``.peers-carry/`` -- ``python3 e2e/gpu_tests.py --prepare`` -- else a PyTorch equivalent,
+recorded) and
 ``flash_mla_sparse_fwd`` over it, heads padded to the prefill kernel's multiple (64 on SM90, 128 on
 SM100, read from the 0.26.0 source). Eager calls timed with CUDA events.
 
@@ -83,15 +84,12 @@ MIN_HEADS_FOR_BF16_PREFILL = 32  # vLLM 0.26.0 flashmla_sparse.py
 # Peers (CPU side): FlashMLA (+ optionally vLLM's _C) and the writer cubins from the cached wheels
 # ------------------------------------------------------------------------------------------
 
-def prepare_peers(with_vllm_c: bool = False) -> int:
-    """Stage FlashMLA of the default pin into .peers/<pin>/ (and vLLM's _C as .xz when asked),
-    and the sm_90 cubins holding vLLM's MLA cache writers of every pin into .peers/vllm_cubins/
+def prepare_peers() -> int:
+    """Stage FlashMLA of the default pin into .peers/<pin>/ and the sm_90 cubins holding vLLM's MLA cache writers of every pin into .peers/vllm_cubins/
     (for tests/kernels/test_mla_kv_cache.py). Returns the bytes under .peers/."""
     import tomllib
 
     common.stage_members(common.FLASHMLA_MEMBERS)
-    if with_vllm_c:
-        common.stage_members({common.VLLM_C_MEMBER: common.VLLM_C_MEMBER}, compress=True)
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -708,8 +706,6 @@ SWEEP = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare-peers", action="store_true", help="CPU: stage FlashMLA + writer cubins in .peers/")
-    ap.add_argument("--with-vllm-c", action="store_true",
-                    help="with --prepare-peers: also stage vLLM's _C (.xz, ~56 MB) for the prefill workspace op")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the benchmark")
     ap.add_argument("--prefill", action="store_true", help="prefill case -> sparse_prefill_h200.json")
     ap.add_argument("--sm120-proxy", action="store_true",
@@ -735,8 +731,6 @@ def parse_args(argv=None):
     for f in args.formats:
         if f not in ROW_BYTES:
             ap.error(f"--formats: {f!r} is not one of {sorted(ROW_BYTES)}")
-    if args.with_vllm_c and not args.prepare_peers:
-        ap.error("--with-vllm-c goes with --prepare-peers")
     if args.prefill and args.sweep:
         ap.error("--prefill and --sweep are separate runs")
     if args.time_budget is not None and args.time_budget <= 0:
@@ -747,7 +741,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prepare_peers:
-        prepare_peers(args.with_vllm_c)
+        prepare_peers()
         return 0
     if args.sm120_proxy:
         if os.environ.get("DISABLE_MMA_V3") != "1":

@@ -41,7 +41,6 @@ def test_parse_defaults_and_modes():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--formats", "fp4"], "--formats"),
-    (["--with-vllm-c"], "--with-vllm-c goes with --prepare-peers"),
     (["--prefill", "--sweep"], "separate runs"),
     (["--time-budget", "0"], "positive"),
 ])
@@ -130,19 +129,30 @@ def test_stage_members_from_a_wheel(tmp_path):
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("vllm/_flashmla_C.abi3.so", b"\x7fELF" + b"x" * 100)
         z.writestr("vllm/third_party/flashmla/flash_mla_interface.py", "X = 1\n")
-        z.writestr("vllm/_C_stable_libtorch.abi3.so", b"\x7fELF" + b"y" * 5000)
+        z.writestr("vllm/big.so", b"\x7fELF" + b"y" * 5000)
     peers = tmp_path / "peers"
     d = common.stage_members(common.FLASHMLA_MEMBERS, "0.26.0", peers, wheel=whl)
     assert d == peers / "0.26.0"
     assert (d / "vllm/_flashmla_C.abi3.so").read_bytes().startswith(b"\x7fELF")
     for init in ("vllm/__init__.py", "vllm/third_party/__init__.py", "vllm/third_party/flashmla/__init__.py"):
         assert (d / init).exists()
-    common.stage_members({common.VLLM_C_MEMBER: common.VLLM_C_MEMBER}, "0.26.0", peers, compress=True, wheel=whl)
-    xz = d / (common.VLLM_C_MEMBER + ".xz")
+    common.stage_members({"vllm/big.so": "vllm/big.so"}, "0.26.0", peers, compress=True, wheel=whl)
+    xz = d / "vllm/big.so.xz"
     assert lzma.decompress(xz.read_bytes()) == b"\x7fELF" + b"y" * 5000
     assert common.peers_bytes(peers) == sum(p.stat().st_size for p in peers.rglob("*") if p.is_file())
     with pytest.raises(FileNotFoundError, match="not cached"):
         common.stage_members(common.FLASHMLA_MEMBERS, "0.26.0", peers, wheel=tmp_path / "missing.whl")
+
+
+def test_load_vllm_c_says_why(tmp_path):
+    ok, why = common.load_vllm_c("0.26.0", carry=tmp_path)
+    assert not ok and "e2e/gpu_tests.py --prepare" in why
+    (tmp_path / "manifest.json").write_text(json.dumps({"pins": {"0.26.0": {"torch": "0.0.1", "name": "x.so",
+                                                                             "path": "x.so.xz", "sha256": "0" * 64}}}))
+    ok, why = common.load_vllm_c("0.26.0", carry=tmp_path)
+    assert not ok and "built for torch 0.0.1" in why
+    ok, why = common.load_vllm_c("0.33.0", carry=tmp_path)
+    assert not ok and "no vLLM 0.33.0 library" in why
 
 
 def test_load_flashmla_without_wheel_says_why(tmp_path, monkeypatch):
@@ -209,7 +219,7 @@ def test_tables_and_readme_sections(tmp_path):
     assert "`python bench/sparse_mla_decode.py --prefill`" in out
     assert RT.render_readme(out, tmp_path) == out  # idempotent
     (tmp_path / "sparse_prefill_h200.json").unlink()
-    assert "no `bench/results/sparse_prefill_h200.json` yet" in RT.render_readme(readme, tmp_path)
+    assert "no prefill results yet" in RT.render_readme(readme, tmp_path)
     with pytest.raises(ValueError, match="exactly one"):
         RT.replace_section("no markers", "sparse-mla-decode", ["x"])
     with pytest.raises(ValueError, match="comes before"):
