@@ -25,7 +25,8 @@ out, fp16 q, split and non-split) on a small pool, with NaN-poisoned outputs. Ti
 ``triton.testing.do_bench`` over replays of one CUDA graph that calls the op once per input set,
 with enough sets (q, indices, out, lse) that one replay moves > 3x the L2, per call.
 
-Writes ``$OUT/sparse_mla_v2_h200.json`` (``OUT`` defaults to ``bench/results``) with the command,
+Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``; ``OUT``
+defaults to ``bench/results``) with the command,
 device, environment, every record and the failures; prints a table last; exits 1 on any
 correctness failure.
 """
@@ -443,7 +444,7 @@ def main(argv=None) -> int:
 
     result["elapsed_s"] = round(time.time() - t_start, 1)
     result["ok"] = not failures
-    path = out_dir / "sparse_mla_v2_h200.json"
+    path = out_dir / ("sparse_mla_v2_h200_sm120proxy.json" if args.sm120_proxy else "sparse_mla_v2_h200.json")
     path.write_text(json.dumps(result, indent=1, default=str))
 
     def f(x, d=1):
