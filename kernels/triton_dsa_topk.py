@@ -405,9 +405,11 @@ def _topk_merge_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-# Radix digit width of every select (constexpr BITS): 8-bit digits take 4 passes for a 32-bit key
-# where 4-bit digits take 8; each pass pays a cross-warp histogram merge and a barrier.
-RADIX_BITS = 8
+# Radix digit width of every select (constexpr BITS). 8-bit digits take 4 passes for a 32-bit key
+# where 4-bit digits take 8, but each pass's 256-bin histogram costs more than the passes saved: on
+# the H200 (bench/dsa_indexer.py --sweep) the top-k with BITS=8 took 17.9 us at 4k T=128 against
+# 13.1 us with BITS=4, and 35.4 / 40.0 / 54.3 us at 32k T=1/16/64 against 27.1 / 28.9 / 39.4 us.
+RADIX_BITS = 4
 # Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
 SEG_MIN = 8192
 
