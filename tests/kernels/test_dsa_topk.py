@@ -331,3 +331,12 @@ def test_byte_workspace_of_that_size_is_used():
     T.top_k_per_row_decode(lg.to(DEVICE), 1, lens.view(3, 1).to(DEVICE), out2, 3, lg.stride(0), 1, K_SMALL,
                            scratch=ws, **cfg)
     _check(out2, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_empty_batch_launches_nothing():
+    out = torch.empty(0, K_SMALL, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(torch.empty(0, 300, device=DEVICE), torch.empty(0, dtype=torch.int32, device=DEVICE), out,
+                      None, K_SMALL, 300, **SMALL)
+    T.top_k_per_row_decode(torch.empty(0, 300, device=DEVICE), 1, torch.empty(0, dtype=torch.int32, device=DEVICE),
+                           out, 0, 300, 1, K_SMALL, **SMALL)
+    assert out.shape == (0, K_SMALL)
