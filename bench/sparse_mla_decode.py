@@ -743,12 +743,12 @@ def main(argv=None) -> int:
     if args.prepare_peers:
         prepare_peers()
         return 0
+    cmd = common.command_line(__file__, argv)  # as typed (before the proxy sets the dispatch override)
     if args.sm120_proxy:
         if os.environ.get("DISABLE_MMA_V3") != "1":
             print("--sm120-proxy needs DISABLE_MMA_V3=1 in the environment (set before Triton compiles)")
             return 2
         os.environ["GLM5_SPARSE_MLA_DISPATCH_CC"] = "12"
-    cmd = common.command_line(__file__, argv)
     budget = common.TimeBudget(args.time_budget)
 
     import torch
