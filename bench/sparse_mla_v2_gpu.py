@@ -25,7 +25,8 @@ out, fp16 q, split and non-split) on a small pool, with NaN-poisoned outputs. Ti
 ``triton.testing.do_bench`` over replays of one CUDA graph that calls the op once per input set,
 with enough sets (q, indices, out, lse) that one replay moves > 3x the L2, per call.
 
-Writes ``$OUT/sparse_mla_v2_h200.json`` (``OUT`` defaults to ``bench/results``) with the command,
+Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``; ``OUT``
+defaults to ``bench/results``) with the command,
 device, environment, every record and the failures; prints a table last; exits 1 on any
 correctness failure.
 """
@@ -137,7 +138,7 @@ def gather_fn(pool, idx, out, cfg):
 # Timing
 # --------------------------------------------------------------------------------------------
 
-def time_graph(fns, rep_ms: int = 40) -> float:
+def time_graph(fns, rep_ms: int = 30) -> float:
     """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -339,6 +340,25 @@ def main(argv=None) -> int:
             failures.append(f"convention checks raised {type(e).__name__}: {e}")
         print(f"conventions: {sum(c['ok'] for c in checks)}/{len(checks)} ok ({time.time() - t0:.1f} s)", flush=True)
 
+    if reason is None:  # every forced tuning config once, against float64
+        gen0 = torch.Generator(device=dev).manual_seed(99)
+        small = ds_mla_rows(256 * BS, gen0, dev).view(256, BS, 656)
+        optin = getattr(props, "shared_memory_per_block_optin", 101376)
+        for c in v2.TUNING_CONFIGS:
+            if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
+                continue
+            for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}):
+                cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
+                for H, T in ((8, 1), (16, 4), (3, 37)):
+                    q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
+                    idx = torch.randint(-50, 256 * BS + 50, (T, TOPK), generator=gen0, device=dev, dtype=torch.int32)
+                    out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+                    lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+                    try:
+                        check_call(f"config {cfg} H={H} T={T}", v2_call(cfg), q, small, idx, out, lse, failures, checks)
+                    except Exception as e:
+                        failures.append(f"config {cfg} H={H} T={T} raised {type(e).__name__}: {e}")
+
     pool = make_pool(POOL_TOKENS, dev)
     nb = pool.shape[0]
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -380,6 +400,25 @@ def main(argv=None) -> int:
                         c1 = v1cfg(H, T)
                         rec["v1_us"] = time_graph([(lambda s=s: v1.sparse_mla_decode(
                             s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c1)) for s in sets])
+                        if reason is None and ctx == max(ctxs) and T in (1, 32, 128):
+                            # tuning data: forced tile configs and split policies next to the dispatch
+                            optin = getattr(props, "shared_memory_per_block_optin", 101376)
+                            sweep = {}
+                            base = dict(v2.pick_config_v2(H, cc, T))
+                            variants = [dict(base, **c) for c in v2.TUNING_CONFIGS[1:]]
+                            variants += [dict(base, WAVES=w, MIN_TILES=mt) for w, mt in ((1, 1), (2, 4), (4, 1), (4, 2))]
+                            for c2 in variants:
+                                if v2.shared_bytes_v2(c2["BLOCK_N"]) > optin or (args.sm120_proxy and
+                                                                                v2.shared_bytes_v2(c2["BLOCK_N"]) > v2.SM120_SHARED_LIMIT):
+                                    continue
+                                key = f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_W{c2['WAVES']}_MT{c2['MIN_TILES']}"
+                                sweep[key] = time_graph([(lambda s=s, c2=c2: v2.sparse_mla_decode_v2(
+                                    s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2,
+                                    fallback=False)) for s in sets])
+                            rec["v2_sweep_us"] = sweep
+                            if sweep:
+                                k = min(sweep, key=sweep.get)
+                                rec["v2_best_sweep"] = {"config": k, "us": sweep[k]}
                         best = None
                         for bn, nw, mult in ((32, 4, 4), (16, 4, 8), (64, 8, 2)):
                             splits = max(1, min(64, triton.cdiv(mult * sms, T)))
@@ -405,7 +444,7 @@ def main(argv=None) -> int:
 
     result["elapsed_s"] = round(time.time() - t_start, 1)
     result["ok"] = not failures
-    path = out_dir / "sparse_mla_v2_h200.json"
+    path = out_dir / ("sparse_mla_v2_h200_sm120proxy.json" if args.sm120_proxy else "sparse_mla_v2_h200.json")
     path.write_text(json.dumps(result, indent=1, default=str))
 
     def f(x, d=1):

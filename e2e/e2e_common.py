@@ -24,7 +24,8 @@ from typing import Any, Callable
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# What the staged vLLM on the offline GPU host needs (../shared/gpu-host/unpack.py prints the same).
+# What the staged vLLM on the offline GPU host needs (the staging helper prints the same;
+# docs/BACKGROUND.md, "The GPU host of the measurements").
 STAGED_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "HF_HUB_OFFLINE": "1",

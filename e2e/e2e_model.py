@@ -59,8 +59,8 @@ from typing import Any
 # Configurations
 # ----------------------------------------------------------------------------------------------
 
-# GLM-5 / GLM-5.1 public config.json, as ../shared/models/glm-5/config.json restates it (the GPU host
-# does not have shared/, so it lives here too; e2e/tests checks that the two agree).
+# GLM-5 / GLM-5.1 public config.json, as tests/data/glm-5-config.json restates it (the GPU host gets
+# only this folder's scripts, so it lives here too; e2e/tests checks that the two agree).
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",

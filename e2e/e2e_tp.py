@@ -2,7 +2,7 @@
 """Tensor parallelism on several GPUs (issue 7): TRITON_MLA_SPARSE at TP 1/2/4/8 against FLASHMLA_SPARSE.
 
 Runs on a machine with several GPUs (nvidia-h200-x2/-x4/-x8), the patched vLLM 0.26.0 staged as for
-the one-GPU scripts (../shared/gpu-host/). Two parts, each one call of the existing scripts per TP
+the one-GPU scripts (docs/BACKGROUND.md, "The GPU host of the measurements"). Two parts, each one call of the existing scripts per TP
 size so every call stays inside the 10-minute limit:
 
   correctness  e2e/e2e_correctness.py --tp N --engines triton_fp8_ds_mla,flashmla_fp8_ds_mla

@@ -69,6 +69,8 @@ __all__ = [
     "persistent_topk_reference",
     "topk_rows_reference",
     "topk_config",
+    "topk_workspace_bytes",
+    "dispatch_launches",
     "SM120_COMPILE_SPECS",
 ]
 
@@ -403,9 +405,11 @@ def _topk_merge_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-# Radix digit width of every select (constexpr BITS): 8-bit digits take 4 passes for a 32-bit key
-# where 4-bit digits take 8; each pass pays a cross-warp histogram merge and a barrier.
-RADIX_BITS = 8
+# Radix digit width of every select (constexpr BITS). 8-bit digits take 4 passes for a 32-bit key
+# where 4-bit digits take 8, but each pass's 256-bin histogram costs more than the passes saved: on
+# the H200 (bench/dsa_indexer.py --sweep) the top-k with BITS=8 took 17.9 us at 4k T=128 against
+# 13.1 us with BITS=4, and 35.4 / 40.0 / 54.3 us at 32k T=1/16/64 against 27.1 / 28.9 / 39.4 us.
+RADIX_BITS = 4
 # Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
 SEG_MIN = 8192
 
@@ -459,6 +463,45 @@ def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
     return out
 
 
+def _as_int32_scratch(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An int32 view of a contiguous scratch buffer of any dtype (vLLM's workspace manager hands
+    out uint8 views), or None when it cannot be viewed so (16-byte aligned sub-buffers need a
+    4-byte multiple)."""
+    if t is None or not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 16:
+        return None
+    return t.reshape(-1).view(torch.int32) if t.dtype != torch.int32 else t.reshape(-1)
+
+
+def topk_workspace_bytes(k: int, max_rows: int, max_seq_len: int, num_sms: int | None = None,
+                         device: torch.device | str | None = None) -> int:
+    """Bytes of scratch that covers every top-k call with at most ``max_rows`` rows of at most
+    ``max_seq_len`` columns (``scratch=`` of the entries; what vLLM reserves in its memory
+    profiling run, from max_num_batched_tokens and max_model_len). The scratch of one call is
+    ``_scratch_layout(rows, k, CAP, SPLIT)`` int32 words: 2 x rows x CAP (candidate keys and
+    positions, the 8 x rows x CAP bytes that dominate at large batch) plus, when rows are split,
+    rows x SPLIT x (k + 2 CAP). SPLIT grows as rows shrink, so the maximum over rows <= max_rows is
+    taken at the largest row count of each SPLIT regime. ``num_sms`` defaults to the SM count the
+    launch uses on ``device`` (8 off CUDA / in the interpreter, as the launch)."""
+    if max_rows <= 0:
+        return 0
+    if num_sms is None:
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or _interpret():
+            num_sms = 8
+        else:
+            num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    cands = {max_rows}
+    for sp in (1, 2, 4, 8, 16):  # largest rows with (2 * sms) // rows >= sp
+        r = (2 * num_sms) // sp
+        if 1 <= r <= max_rows:
+            cands.add(r)
+    words = 0
+    for r in cands:
+        cfg = topk_config(k, max_seq_len, r, num_sms)
+        words = max(words, _scratch_layout(r, k, cfg["CAP"], cfg["SPLIT"])["total"])
+    return 4 * words
+
+
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
@@ -483,22 +526,29 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
     lay = _scratch_layout(rows, k, cap, split)
-    if scratch is None or scratch.numel() < lay["total"] or scratch.dtype != torch.int32:
+    scratch = _as_int32_scratch(scratch)
+    if scratch is None or scratch.numel() < lay["total"]:
         scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
     bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
     b = b if b is not None else a
     common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
-    if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
-        _topk_segment_kernel[(rows, split)](
-            *common, K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"], ZSIGMA=cfg["ZSIGMA"], SPLIT=split,
-            BITS=cfg["BITS"], num_warps=num_warps,
-        )
-    _topk_merge_kernel[(rows,)](
-        *common, K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"], RCHUNK=cfg["RCHUNK"],
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], BITS=cfg["BITS"],
-        num_warps=merge_warps,
-    )
+    for kern, consts, nw in _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps):
+        kern[(rows, split) if kern is _topk_segment_kernel else (rows,)](*common, **consts, num_warps=nw)
     return out
+
+
+def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int, merge_warps: int):
+    """The kernels one top-k call launches, in order, with their constexprs and warps (used by the
+    launch and by SM120_COMPILE_SPECS, so the specs are exactly what the dispatch launches)."""
+    cap, split = cfg["CAP"], cfg["SPLIT"]
+    plan = []
+    if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
+        plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
+                                                ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
+    plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
+                                          RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
+                                          GCHUNK=cfg["GCHUNK"], BITS=cfg["BITS"]), merge_warps))
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -561,11 +611,8 @@ def persistent_topk(logits: torch.Tensor, lengths: torch.Tensor, output: torch.T
     rows = logits.shape[0]
     if lens.numel() != rows:
         raise ValueError(f"lengths has {lens.numel()} entries for {rows} logits rows")
-    scratch = None
-    if workspace is not None and workspace.is_contiguous() and workspace.numel() * workspace.element_size() % 4 == 0:
-        scratch = workspace.view(torch.int32) if workspace.dtype != torch.int32 else workspace
     _launch(logits, lens, None, output, 1, k, _MODE_ROW_LENGTHS, max(int(max_seq_len), logits.shape[1]),
-            scratch=scratch, **overrides)
+            scratch=workspace, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,9 +681,37 @@ def canonical(indices: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+# The inputs the dispatch is enumerated over for the compile specs: the k values upstream's ops
+# take (512 / 1024 / 2048; GLM-5 and DeepSeek-V3.2 use 2048), row lengths at and around every S /
+# CAP tier boundary up to 2M, 1 .. 65536 rows, and the SM counts of the GPUs the stack targets
+# (48: DGX Spark, 84 / 170: RTX 5090-class, 132: H100/H200, 148: B200, 188: RTX PRO 6000) plus
+# the interpreter's 8. The digit width and SEG_MIN stay at their defaults: only overrides change them.
+SPEC_K = (512, 1024, 2048)
+SPEC_MAX_SEQ_LEN = (1, 4096, 4097, 8192, 8193, 16384, 65536, 65537, 262144, 262145, 1 << 20, 1 << 21)
+SPEC_ROWS = tuple(1 << i for i in range(17))
+SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
+
+
+def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, sms=SPEC_SMS) -> list[tuple]:
+    """Every distinct (kernel, constexprs without MODE, num_warps) the dispatch launches over the
+    given inputs (any row mode: MODE only selects the row-range loads)."""
+    seen = {}
+    for k in ks:
+        for L in max_seq_lens:
+            for r in rows:
+                for n in sms:
+                    cfg = topk_config(k, L, r, n)
+                    nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
+                    for kern, consts, w in _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw):
+                        consts = {a: v for a, v in consts.items() if a != "MODE"}
+                        seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+    return sorted(seen.values(), key=lambda t: (t[0].__name__, sorted(t[1].items()), t[2]))
+
+
 def SM120_COMPILE_SPECS() -> list[dict]:
-    """Every configuration ``topk_config`` can choose (k in 512/1024/2048, the three S/CAP tiers,
-    SPLIT 1 and > 1, all row modes), for both kernels."""
+    """Every configuration the dispatch launches (``dispatch_launches``: k, S/CAP tier, SPLIT,
+    digit width, warps), for both kernels. The three row modes only change two scalar loads at the
+    top of the kernels; they rotate over the specs so that each is compiled with every kernel."""
     common_sig = {
         "logits_ptr": "*fp32", "stride_r": "i64", "stride_c": "i64", "a_ptr": "*i32", "b_ptr": "*i32",
         "next_n": "i32", "out_ptr": "*i32", "stride_o": "i64", "seg_gt_ptr": "*i32", "seg_k_ptr": "*i32",
@@ -645,36 +720,15 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     div16 = ["logits_ptr", "out_ptr", "seg_gt_ptr", "seg_k_ptr", "seg_i_ptr", "cat_k_ptr", "cat_i_ptr", "cnt_ptr",
              "win_ptr"]
     specs = []
-    # The three S tiers x SPLIT 1 / > 1 for both kernels at k = 2048 (GLM-5, DeepSeek-V3.2), plus the
-    # k = 512 tier-1 pair. The row modes only change two scalar loads at the top of the kernels; they
-    # rotate over the specs so that each one is compiled at least once (a full cross product takes
-    # ~10 s per spec on a CPU: the unrolled bitonic sorts dominate compile time).
-    combos = []
-    for t, max_len in enumerate((65536, 262144, 1 << 20)):
-        for j, split in enumerate((1, 16)):
-            combos.append((2048, max_len, split, (t + j) % 3))
-    combos.append((512, 65536, 1, _MODE_ROW_LENGTHS))
-    for k, max_len, split, mode in combos:
-        cfg = topk_config(k, max_len)
-        nw = cfg.pop("num_warps")
-        merge_nw = cfg.pop("merge_warps")
-        tag = f"k={k},S={cfg['S']},CAP={cfg['CAP']},split={split},mode={mode}"
+    count = {}
+    for kern, consts, nw in dispatch_launches():
+        i = count[kern.__name__] = count.get(kern.__name__, -1) + 1
+        consts = dict(consts, MODE=i % 3)
+        short = "segment" if kern is _topk_segment_kernel else "merge"
+        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "SPLIT", "BITS", "MODE") if a in consts)
         specs.append({
-            "name": f"dsa_topk_segment[{tag}]", "fn": _topk_segment_kernel,
-            "signature": dict(common_sig, **{n: "constexpr" for n in
-                                             ("K", "MODE", "S", "CAP", "CHUNK", "ZSIGMA", "SPLIT", "BITS")}),
-            "constexprs": {"K": k, "MODE": mode, "S": cfg["S"], "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
-                           "ZSIGMA": cfg["ZSIGMA"], "SPLIT": split, "BITS": cfg["BITS"]},
-            "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
-        })
-        specs.append({
-            "name": f"dsa_topk_merge[{tag}]", "fn": _topk_merge_kernel,
-            "signature": dict(common_sig, **{n: "constexpr" for n in
-                                             ("K", "KFILL", "MODE", "CAP", "CHUNK", "RCHUNK", "SPLIT", "SPLIT_P",
-                                              "GCHUNK", "BITS")}),
-            "constexprs": {"K": k, "KFILL": cfg["KFILL"], "MODE": mode, "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
-                           "RCHUNK": cfg["RCHUNK"], "SPLIT": split, "SPLIT_P": triton.next_power_of_2(split),
-                           "GCHUNK": cfg["GCHUNK"], "BITS": cfg["BITS"]},
-            "divisible_by_16": div16, "num_warps": merge_nw, "num_stages": 1,
+            "name": f"dsa_topk_{short}[{tag},w={nw}]", "fn": kern,
+            "signature": dict(common_sig, **{n: "constexpr" for n in consts}),
+            "constexprs": consts, "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
         })
     return specs

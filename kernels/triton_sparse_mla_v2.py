@@ -65,6 +65,8 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+    # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.5-3.6, gl.barrier from 3.7
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAS_GLUON = True
 except Exception:  # pragma: no cover - Triton without Gluon (< 3.5): v1 only
     HAS_GLUON = False
@@ -160,7 +162,7 @@ if HAS_GLUON:
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, COL_M)
 
         cp.wait_group(0)  # this thread's copies of this tile landed
-        gl.thread_barrier()  # everyone's did; everyone is done with the previous tile
+        _cta_barrier()  # everyone's did; everyone is done with the previous tile
         if has_next:
             _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
                         stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
@@ -179,7 +181,7 @@ if HAS_GLUON:
         raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
         sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
         k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        gl.thread_barrier()
+        _cta_barrier()
 
         # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64)
         s = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
@@ -202,7 +204,7 @@ if HAS_GLUON:
         # max is a quad shuffle and P needs no further layout change: one CTA barrier
         valid = (vs >= 0) & (vs < num_slots)
         s_smem.store(gl.where(valid[None, :], s * qk_scale_log2, float("-inf")))
-        gl.thread_barrier()
+        _cta_barrier()
         s = s_smem.load(OP_A)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
@@ -413,22 +415,35 @@ def _device_props(device: torch.device) -> tuple[int, int, int]:
 
 
 def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
-    """Tile configuration of the v2 kernel (shapes and device only).
+    """Tile configuration of the v2 kernel (shapes and device only: CUDA-graph safe).
 
     BLOCK_H 16 (the mma.sync M), BLOCK_N KV rows per tile, NUM_WARPS, WAVES (split the top-k range
     until there are WAVES x SM-count programs) and MIN_TILES (never fewer tiles per split: the
-    prologue -- q staging, the first tile's copy -- is paid per program). Shared memory per CTA:
-    BLOCK_N * 1,824 B (ring 2 x 656, bf16 tile 1,152... see ``shared_bytes_v2``) + 18,432 B of q:
-    BLOCK_N 32 -> ~91 KB on every architecture (<= SM120's 101,376 B)."""
+    prologue -- q staging, the first tile's copies -- is paid per program). BLOCK_N 32 with 4 warps
+    takes 95,232 B of shared memory (``shared_bytes_v2`` + the 2 KB S tile), within SM120's
+    101,376 B (one CTA per SM there, WAVES 1) and two CTAs per SM on SM90's 228 KB (WAVES 2).
+    Not yet tuned on hardware: ``bench/sparse_mla_v2_gpu.py`` times ``TUNING_CONFIGS`` and split
+    policies next to this choice."""
     del num_heads, num_tokens
     return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": 2 if cc_major == 9 else 1,
-            "MIN_TILES": 4}
+            "MIN_TILES": 2}
+
+
+# Tile configurations the benchmark and the GPU tests also run (config= overrides). All compile
+# for sm_90 without spills; BLOCK_N 64 needs more than SM120's shared memory (SM90/SM100 only).
+TUNING_CONFIGS = (
+    {"BLOCK_N": 32, "NUM_WARPS": 4},
+    {"BLOCK_N": 32, "NUM_WARPS": 8},
+    {"BLOCK_N": 16, "NUM_WARPS": 4},
+    {"BLOCK_N": 64, "NUM_WARPS": 8},
+)
 
 
 def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16) -> int:
-    """Shared memory the kernel allocates explicitly (the compiler adds a small scratch for the
-    P layout conversion): ring 2 x (512 + 16 + 64*elem) B per row, the 16-bit K tile, q."""
-    return 2 * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
+    """Shared memory the kernel allocates explicitly: the ring 2 x (512 + 16 + 64*elem) B per row,
+    the 16-bit K tile, q and the fp32 S tile."""
+    return (2 * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
+            + block_h * block_n * 4)
 
 
 def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None) -> str | None:

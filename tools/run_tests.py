@@ -86,6 +86,14 @@ def check_torch(python: Path) -> str:
     return version
 
 
+def pin_build_command(tool_py: Path, version: str, venv_dir: Path) -> list[str]:
+    """Step 4's build + install + verify of one pin: tree, wheel and report under
+    work/test-run/<pin>/, never the main job's work/<pin>/."""
+    work = TEST_WORK / version
+    return [str(tool_py), "tools/apply.py", "--vllm", version, "--work", str(work / "tree"), "--out", str(work),
+            "--venv", str(venv_dir), "all", "--deps", "minimal", "--no-kernel-tests"]
+
+
 def run(cmd: list[str], env: dict | None = None, allow_no_tests: bool = False) -> None:
     say("$ " + " ".join(str(c) for c in cmd))
     r = subprocess.run(cmd, cwd=REPO, env=env)
@@ -160,10 +168,7 @@ def main() -> int:
 
             def s4(v=v):
                 vpy = venv(f"vllm-{v}", [CPU_TORCH, "pytest", "hypothesis"])
-                work = TEST_WORK / v
-                run([str(tool_py), "tools/apply.py", "--vllm", v, "--work", str(work / "tree"), "--out", str(work),
-                     "--venv", str(vpy.parent.parent), "all", "--deps", "minimal", "--no-kernel-tests"],
-                    env=clean_env())
+                run(pin_build_command(tool_py, v, vpy.parent.parent), env=clean_env())
                 integ = REPO / "tests" / "integration"
                 if integ.is_dir() and any(integ.glob("test_*.py")):
                     run([str(vpy), "-m", "pytest", "-p", "no:cacheprovider", "tests/integration"],

@@ -4,6 +4,8 @@ PyTorch references. CPU: Triton interpreter at small shapes. GPU (``-m gpu``): G
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -87,6 +89,64 @@ def test_k_write_layout_is_vllms():
     assert flat[2, 63 * D + 5] == 0xF8
     assert torch.equal(flat[2, page * D + 63 * 4:].view(torch.float32), torch.tensor([2.0 ** -7]))
     assert flat[0].sum() == 0 and flat[1, : 3 * D].sum() == 0
+
+
+def test_k_write_skips_slots_past_the_cache():
+    """Slots >= num_blocks * block_size are skipped (like negative ones): no byte of the cache (nor
+    past it: the cache is a view into a larger poisoned buffer) changes for them; validate=True
+    raises instead."""
+    g = torch.Generator().manual_seed(13)
+    page, nb, D = 16, 3, 128
+    backing = _poison_u8((nb + 2, page, D + 4))
+    cache = backing[:nb]
+    k = torch.randn(6, D, generator=g).to(KDTYPE)
+    slots = torch.tensor([0, nb * page, nb * page + 5, -1, nb * page - 1, 10 ** 9], dtype=torch.long)
+    before = backing.clone().cpu()
+    ref = before[:nb].clone()
+    I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, "ue8m0")
+    I.indexer_k_quant_and_cache_reference(k, ref, slots, 128, "ue8m0")
+    assert torch.equal(backing[nb:].cpu(), before[nb:]), "bytes past the cache were written"
+    assert torch.equal(cache.cpu(), ref)
+    flat, old = cache.cpu().view(nb, -1), before[:nb].reshape(nb, -1)
+    # the two in-range slots (first and last of the cache) were written
+    assert (flat[0, :D] != old[0, :D]).any() and (flat[-1, (page - 1) * D: page * D] != old[-1, (page - 1) * D: page * D]).any()
+    with pytest.raises(ValueError, match="num_blocks"):
+        I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, "ue8m0", validate=True)
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+def test_k_write_nan_and_inf(scale_fmt):
+    """Defined non-finite behaviour (vLLM's CUDA writer's): NaN -> byte 0x7F and left out of the
+    group's amax; an inf makes the scale +inf, the group's finite values +-0 and the inf NaN."""
+    D = 128
+    k = torch.zeros(3, D, dtype=torch.float32)
+    k[0] = torch.linspace(-3.0, 3.0, D)
+    k[0, 10] = float("nan")
+    k[1] = torch.linspace(-1.0, 1.0, D)
+    k[1, 20] = float("inf")
+    k[1, 21] = float("-inf")
+    k[2] = torch.linspace(-2.0, 2.0, D)  # a finite neighbour: unaffected
+    k = k.to(KDTYPE)
+    cache = torch.zeros(1, 16, D + 4, dtype=torch.uint8, device=DEVICE)
+    ref = torch.zeros(1, 16, D + 4, dtype=torch.uint8)
+    slots = torch.tensor([0, 1, 2])
+    I.indexer_k_quant_and_cache(k.to(DEVICE), cache, slots.to(DEVICE), 128, scale_fmt)
+    I.indexer_k_quant_and_cache_reference(k, ref, slots, 128, scale_fmt)
+    assert torch.equal(cache.cpu(), ref), f"{(cache.cpu() != ref).sum().item()} bytes differ"
+    vals = ref.view(1, -1)[0, : 16 * D].view(16, D)
+    scales = ref.view(1, -1)[0, 16 * D:].view(torch.float32)
+    assert vals[0, 10] == 0x7F
+    finite_amax = 3.0 if scale_fmt == "fp32" else 2.0 ** math.ceil(math.log2(3.0 / 448.0))
+    assert scales[0].item() == pytest.approx(3.0 / 448.0 if scale_fmt == "fp32" else finite_amax)
+    assert math.isinf(scales[1].item()) and scales[1].item() > 0
+    assert vals[1, 20] == 0x7F and vals[1, 21] == 0x7F
+    others = torch.cat([vals[1, :20], vals[1, 22:]])
+    assert bool(((others & 0x7F) == 0).all()), "finite values of an inf group must be +-0"
+    x2 = k[2].float()
+    s2 = max(x2.abs().max().item(), 1e-4) / 448.0
+    if scale_fmt == "ue8m0":
+        s2 = 2.0 ** math.ceil(math.log2(s2))
+    assert scales[2].item() == pytest.approx(s2, rel=1e-6)
 
 
 @triton.jit
@@ -557,3 +617,122 @@ def test_gpu_ragged_logits_glm5_shapes():
         ratio = ((got[mask] - ref[mask]).abs() / (eps * mag[mask] + 1e-30)).max().item()
         print(f"[bound] ragged rows {rows}: {ratio:.3g} x eps * MAG")
         assert ratio <= 1.0, f"error {ratio:.3g}x the bound"
+
+
+# ------------------------------------------------------------------------------------------------
+# grid limits: CUDA's gridDim.y <= 65535
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grid_yz_tiles_plan():
+    assert I.MAX_GRID_YZ == 65535
+    assert I.grid_yz_tiles(0) == []
+    assert I.grid_yz_tiles(65535) == [(0, 65535)]
+    assert I.grid_yz_tiles(65536) == [(0, 65535), (65535, 1)]
+    # GLM-5 prefill at 64 heads (2 queries per block) and 140k rows: the launch that failed
+    plan = I.grid_yz_tiles(triton.cdiv(140_000, 128 // 64))
+    assert [n for _, n in plan] == [65535, 4465] and all(n <= 65535 for _, n in plan)
+    # any max_num_batched_tokens: the tiles cover [0, n) exactly once, in order
+    for n in (1, 7, 65534, 65535, 131070, 131071, 10 ** 6 + 3):
+        plan = I.grid_yz_tiles(n)
+        assert plan[0][0] == 0 and sum(c for _, c in plan) == n
+        assert all(o2 == o1 + c1 for (o1, c1), (o2, _) in zip(plan, plan[1:]))
+        assert all(1 <= c <= 65535 for _, c in plan)
+    with pytest.raises(ValueError):
+        I.grid_yz_tiles(5, 0)
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_ragged_logits_tiled_grid_matches_one_launch(clean):
+    """A forced MAX_GRID_YZ of 2 query blocks splits the launch into 4 (offsets 0, 2, 4, 6): the
+    output is bit-identical to the single launch."""
+    g = torch.Generator().manual_seed(14)
+    M, N, H, D = 13, 40, 16, 128
+    q = torch.randn(M, H, D, generator=g).to(FP8).to(DEVICE)
+    kf = torch.randn(N, D, generator=g).to(FP8).to(DEVICE)
+    ks = (torch.rand(N, generator=g) + 0.05).to(DEVICE)
+    w = torch.randn(M, H, generator=g).to(DEVICE)
+    kst = torch.tensor([0] * 6 + [20] * 7, dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([15, 16, 17, 18, 19, 20] + list(range(34, 41)), dtype=torch.int32, device=DEVICE)
+    outs = []
+    for mg in (65535, 2):
+        out = torch.full((M, N), 777.0, device=DEVICE)
+        I.fp8_mqa_logits(q, kf, ks, w, kst, ke, clean_logits=clean, out=out, BLOCK_N=16, BLOCK_Q=2,
+                         MAX_GRID_YZ=mg)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    assert not (outs[1] == 777.0).all(dim=1).any(), "a query row was not launched"
+
+
+def test_paged_logits_tiled_grid_matches_one_launch():
+    g = torch.Generator().manual_seed(15)
+    cache, mml, q, w, bt, cl = _paged_case(g, next_n=2)
+    a = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2).cpu()
+    b = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2, MAX_GRID_YZ=1).cpu()
+    assert torch.equal(a, b)
+
+
+@gpu
+@needs_gpu
+def test_gpu_ragged_logits_past_grid_limit():
+    """64 heads x 140,000 query rows (70,000 query blocks > 65,535): launched in two grid-y tiles;
+    the rows of the second tile are computed (failed with "invalid argument" before the tiling)."""
+    g = torch.Generator(device="cuda").manual_seed(16)
+    M, N, H, D = 140_000, 256, 64, 128
+    q = torch.randn(M, H, D, device="cuda", generator=g).to(FP8)
+    kf = torch.randn(N, D, device="cuda", generator=g).to(FP8)
+    ks = torch.rand(N, device="cuda", generator=g) + 0.05
+    w = torch.randn(M, H, device="cuda", generator=g) * 0.05
+    kst = torch.zeros(M, dtype=torch.int32, device="cuda")
+    ke = (torch.arange(M, device="cuda") % N + 1).int()
+    out = I.fp8_mqa_logits(q, kf, ks, w, kst, ke, clean_logits=True)
+    torch.cuda.synchronize()
+    eps = logits_eps(D, H)
+    for rows in (slice(0, 16), slice(131_060, 131_080), slice(M - 16, M)):
+        qd = q[rows].double()
+        kd = kf.double() * ks.double()[:, None]
+        ref = (w[rows].double()[:, :, None] * torch.relu(torch.einsum("mhd,nd->mhn", qd, kd))).sum(1)
+        mag = (w[rows].double().abs()[:, :, None] * torch.einsum("mhd,nd->mhn", qd.abs(), kd.abs())).sum(1)
+        cols = torch.arange(N, device="cuda")
+        mask = (cols[None, :] >= kst[rows, None]) & (cols[None, :] < ke[rows, None])
+        got = out[rows].double()
+        assert torch.equal(torch.isneginf(got), ~mask)
+        ratio = ((got[mask] - ref[mask]).abs() / (eps * mag[mask] + 1e-30)).max().item()
+        assert ratio <= 1.0, (rows, ratio)
+
+
+def test_block_table_with_one_column_any_stride():
+    """A [B, 1] block table that is a transposed view (stride(1) != 1; upstream's DeepGEMM wrapper
+    clones it) is accepted by the paged logits and the gather: only column 0 is read."""
+    g = torch.Generator().manual_seed(17)
+    page, nb, H, D, B = 16, 8, 16, 128, 3
+    cache = _make_cache(nb, page, gen=g)
+    q = torch.randn(B, 1, H, D, generator=g).to(FP8)
+    w = torch.randn(B, H, generator=g)
+    col = torch.randperm(nb, generator=g)[:B].int()
+    backing = torch.stack([col, col]).t().contiguous().view(-1).to(DEVICE)
+    bt_view = torch.as_strided(backing, (B, 1), (2, 5))  # built on the device: .to() would copy it dense
+    assert bt_view.stride(1) != 1 and torch.equal(bt_view[:, 0].cpu(), col)
+    cl = torch.tensor([5, page, 1], dtype=torch.int32)
+    res = I.fp8_paged_mqa_logits(q.to(DEVICE), cache, w.to(DEVICE), cl.to(DEVICE), bt_view, page)
+    ref, mag = _paged_ref(q, cache, w, cl, col.view(B, 1).contiguous(), page)
+    _check_logits(res, ref, mag, logits_eps(D, H), True)
+
+
+def test_k_write_and_gather_empty_inputs():
+    """No tokens: the writer and the gather launch nothing and touch nothing."""
+    cache = _poison_u8((2, 16, 132))
+    before = cache.clone()
+    I.indexer_k_quant_and_cache(torch.zeros(0, 128, dtype=KDTYPE, device=DEVICE), cache,
+                                torch.zeros(0, dtype=torch.long, device=DEVICE), 128, "ue8m0")
+    assert torch.equal(cache, before)
+    dk = torch.zeros(0, 128, dtype=FP8, device=DEVICE)
+    ds = torch.zeros(0, 4, dtype=torch.uint8, device=DEVICE)
+    I.cp_gather_indexer_k_quant_cache(cache, dk, ds, torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
+                                      torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    dk3 = _poison_u8((3, 128)).view(FP8)
+    ds3 = _poison_u8((3, 4))
+    b3 = (dk3.view(torch.uint8).clone(), ds3.clone())
+    I.cp_gather_indexer_k_quant_cache(cache, dk3, ds3, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+                                      torch.zeros(1, dtype=torch.int32, device=DEVICE))  # no request
+    assert torch.equal(dk3.view(torch.uint8), b3[0]) and torch.equal(ds3, b3[1])

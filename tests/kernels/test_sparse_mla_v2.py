@@ -47,6 +47,10 @@ def _compile(arch: int, tmp_path) -> list[dict]:
     data = json.loads(js.read_text())
     rows = data["rows"]
     assert rows and all(r["ok"] for r in rows) and any(r["name"].startswith("sparse_mla_v2[") for r in rows), rows
+    for r in rows:  # the host-side accounting is the compiled truth
+        if r["name"].startswith("sparse_mla_v2["):
+            bn = int(r["name"].split("BN=")[1].split(",")[0])
+            assert r["shared"] == v2.shared_bytes_v2(bn), r
     return rows
 
 
@@ -56,6 +60,37 @@ def test_v2_compiles_within_limits(arch, tmp_path):
     """sm_120 (SM120's 101,376 B limit) and sm_90 (the H200): every spec compiles, fits, no spills.
     (tests/kernels/test_sm120_compile.py covers sm_121 through the same SM120_COMPILE_SPECS.)"""
     _compile(arch, tmp_path)
+
+
+@pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
+def test_v2_tuning_configs_compile_for_sm90(tmp_path):
+    """The configurations the benchmark and the GPU tests force (TUNING_CONFIGS) compile for sm_90
+    within its 227 KB of shared memory, without spills, and use the shared memory accounted for."""
+    code = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
+import sm120_check
+from kernels import triton_sparse_mla_v2 as m
+cfgs = [dict(c, BLOCK_H=16) for c in m.TUNING_CONFIGS]
+rows = []
+for s in m.compile_specs(9, cfgs):
+    if s["name"].startswith("sparse_mla_v2[bfloat16"):
+        r = sm120_check.compile_spec(s, 90)
+        r["name"] = s["name"]
+        rows.append(r)
+print(json.dumps(rows))
+'''
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(v2.TUNING_CONFIGS)
+    for row in rows:
+        print(row)
+        bn = int(row["name"].split("BN=")[1].split(",")[0])
+        assert row["stack"] == 0 and row["local"] == 0, row
+        assert row["shared"] == v2.shared_bytes_v2(bn) <= 232448, row
 
 
 def test_v2_specs_cover_every_dispatch_config():
@@ -222,6 +257,24 @@ def test_emulated_v2_many_tiles(emulated_v2, seed):
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("cfg", list(range(len(v2.TUNING_CONFIGS))))
+def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
+    """Every forced tile configuration (BLOCK_N 16 / 32 / 64) through the emulated kernel body."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 16, 16, 8, 2, 300
+    cache = _cpu_cache(nb, bs, torch.bfloat16, gen)
+    q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}):
+        out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
+                                           config=dict(v2.TUNING_CONFIGS[cfg], **extra))
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+        assert rel.max().item() < TOL_HEAD[torch.bfloat16], rel.max()
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: the v2 kernel itself
 # --------------------------------------------------------------------------------------------
@@ -290,6 +343,23 @@ def test_gpu_v2_topk_variants(topk, scale_format, seed):
     idx[3] = -1
     for ns in (None, 1, 3):
         check(q, cache, idx, num_splits=ns)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.TUNING_CONFIGS))))
+def test_gpu_v2_tuning_configs(cfg, seed):
+    """Every configuration the benchmark may force, with several split policies."""
+    c = dict(v2.TUNING_CONFIGS[cfg])
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
+    if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
+        pytest.skip(f"needs {v2.shared_bytes_v2(c['BLOCK_N'])} B of shared memory, the device has {optin}")
+    nb, bs = 256, 64
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    for H, T in ((8, 1), (16, 4), (3, 37)):
+        q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+        idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
+        for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}):
+            check(q, cache, idx, config=dict(c, **extra))
 
 
 @pytest.mark.gpu
