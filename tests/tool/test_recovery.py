@@ -241,20 +241,39 @@ def test_an_edit_in_patches_is_detected_and_never_silently_reverted(proj_with_pa
     f.write_text(f.read_text().replace("Why this patch exists: a test", "Why this patch exists: edited in patches/"))
     edited = f.read_bytes()
     before = snapshot(t)
-    r = p.run("apply", check_rc=5)
-    assert "patches/9.9.0 was edited after this tree was last applied/refreshed" in r.out
-    assert "apply --rebuild" in r.out and "refresh --force" in r.out
     r = p.run("refresh", check_rc=5)
-    assert "refresh would overwrite those edits" in r.out
+    assert "patches/9.9.0 was edited after" in r.out and "refresh would overwrite those edits" in r.out
     r = p.run("status", check_rc=0)
     assert "patches/9.9.0 was EDITED after the tree was last applied/refreshed" in r.out
     assert f.read_bytes() == edited and snapshot(t) == before
-    # keep patches/: the tree is rebuilt from them; the old HEAD stays reachable
-    r = p.run("apply", "--rebuild", check_rc=0)
+    # the tree is exactly as last applied and holds nothing patches/ lacks: apply takes patches/
+    r = p.run("apply", check_rc=0)
+    assert "re-applying the series from v9.9.0" in r.out
     assert "edited in patches/" in git(t, "log", "-1", "--format=%B")
     assert git(t, "rev-parse", "refs/glm5-overlay/before-rebuild") == before["head"]
     r = p.run("refresh", check_rc=0)
     assert "is up to date" in r.out and f.read_bytes() == edited
+
+
+def test_patches_and_tree_both_changed_is_refused_until_one_side_is_chosen(proj_with_patch):
+    p = proj_with_patch
+    t = p.tree("9.9.0")
+    p.run("apply", check_rc=0)
+    f = p.patches("9.9.0") / "0001-Model-Twenty-as-a-word.patch"
+    f.write_text(f.read_text().replace("Why this patch exists: a test", "Why this patch exists: edited in patches/"))
+    edited = f.read_bytes()
+    git(t, "commit", "-q", "--amend", "-m", "[Model] Twenty as a word\n\nWhy this patch exists: amended in the tree\n\n"
+        "Concern: routing\nForwarded: no\nLast-Update: 2026-12-02\n")
+    mine = git(t, "rev-parse", "HEAD")
+    for args in (("apply",), ("refresh",), ("apply", "--rebuild")):
+        r = p.run(*args, check_rc=5)
+        assert f.read_bytes() == edited and git(t, "rev-parse", "HEAD") == mine, r.out
+    r = p.run("apply", check_rc=5)
+    assert "was edited after the tree was last applied/refreshed, and the tree holds commits" in r.out
+    # choosing patches/ explicitly: the tree's commit stays reachable
+    p.run("apply", "--rebuild", "--force", check_rc=0)
+    assert "edited in patches/" in git(t, "log", "-1", "--format=%B")
+    assert git(t, "rev-parse", "refs/glm5-overlay/before-rebuild") == mine
 
 
 def test_refresh_force_keeps_the_tree_over_patches(proj_with_patch):
@@ -283,6 +302,9 @@ def test_a_reordered_series_on_an_applied_tree_is_named_not_blamed_on_drift(proj
     series = p.patches("9.9.0") / "series"
     names = [n for n in series.read_text().split() if n.endswith(".patch")]
     series.write_text("\n".join([names[1], names[0], names[2]]) + "\n")  # independent patches: still valid
+    sync = t / ".git" / "glm5-overlay-sync.json"
+    recorded = sync.read_bytes()
+    sync.unlink()  # as for a tree of an earlier version of the tool: which side changed is unknown
     before = snapshot(t)
     r = p.run("apply", check_rc=5)
     assert f"is not patches/9.9.0/{names[1]} (series entry 1)" in r.out and "[Model] Twenty as a word" in r.out
@@ -290,6 +312,11 @@ def test_a_reordered_series_on_an_applied_tree_is_named_not_blamed_on_drift(proj
     assert snapshot(t) == before
     r = p.run("status", check_rc=0)
     assert "DRIFT" not in r.out and "content: matches" in r.out
+    # with the record (the tree unchanged since its last refresh), apply follows the new order
+    sync.write_bytes(recorded)
+    p.run("apply", check_rc=0)
+    subjects = git(t, "log", "--reverse", "--format=%s", "v9.9.0..HEAD").splitlines()
+    assert subjects == ["[Model] Five", "[Model] Twenty as a word", "[Model] Thirty-three"]
 
 
 def test_a_patch_edited_so_it_no_longer_applies_is_named_with_its_hunk(proj_with_patch):

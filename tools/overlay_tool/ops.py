@@ -229,7 +229,7 @@ def status(project: Project, pin: Pin, tree_path: Path, managed: bool, log=print
         None: f"patches/{v} sync: not recorded (the tree was not applied/refreshed by this version of the tool)",
         "in-sync": f"patches/{v} sync: unchanged since the tree was last applied/refreshed",
         "patches-newer": f"patches/{v} was EDITED after the tree was last applied/refreshed (the tree did not change): "
-                         f"keep patches/: `apply` (or `apply --rebuild` if it refuses); keep the tree: `refresh --force`",
+                         f"keep patches/: `apply` (re-applies the series); keep the tree: `refresh --force`",
         "tree-newer": f"the tree changed after its last apply/refresh (patches/{v} did not): `refresh` exports it",
         "both": f"BOTH patches/{v} and the tree changed since the tree was last applied/refreshed: save one side, then "
                 f"`refresh --force` (keep the tree) or `apply --rebuild --force` (keep patches/)",

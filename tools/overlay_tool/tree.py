@@ -418,9 +418,16 @@ class Tree:
         start = self.start_point()
         commits = self.patch_commits(start)
         state = self.sync_state(fingerprint) if fingerprint else None
+        rec = self.read_sync()
+        safe = rec is not None and rec.get("head") == start and bool(rec.get("exported"))
+        mismatch = None if rebuild else self.first_mismatch(commits, patches)
+        if mismatch is not None and state == "patches-newer" and safe:
+            # patches/ changed (a pull, or an edit there) and the tree is exactly as last applied/refreshed,
+            # holding nothing patches/ lacks: re-applying the series loses nothing (old HEAD kept as a ref)
+            log(f"patches/{self.pin.version} changed since {self.path} was last applied/refreshed and the tree "
+                f"did not: re-applying the series from {self.pin.tag} (the old HEAD stays as {BACKUP_REF})")
+            rebuild = True
         if rebuild:
-            rec = self.read_sync()
-            safe = rec is not None and rec.get("head") == start and rec.get("exported")
             if not safe and not force:
                 raise RefusedError(
                     f"{self.path}: `apply --rebuild` would replace the tree's patch commits, and the tree holds "
@@ -428,10 +435,11 @@ class Tree:
                     f"is not recorded); run `refresh` first to keep them, or add --force to replace them anyway "
                     f"(the old HEAD is then kept as {BACKUP_REF})"
                 )
-            sim = self.simulate(self.base, patches, overlay)
+            try:
+                sim = self.simulate(self.base, patches, overlay)
+            except PatchError as fresh:
+                raise self._fresh(fresh) from None
             sim.start = start
-            if dry_run or not sim.changed:
-                return sim
             if dry_run:
                 return sim
             if sim.changed:
@@ -440,7 +448,6 @@ class Tree:
             if fingerprint:
                 self.write_sync(fingerprint, exported=True)
             return sim
-        mismatch = self.first_mismatch(commits, patches)
         if mismatch is not None:
             try:  # a series that does not apply to a fresh baseline is named as such (patch and hunk)
                 self.simulate(self.base, patches, overlay)
