@@ -255,6 +255,26 @@ def test_an_edit_in_patches_is_detected_and_never_silently_reverted(proj_with_pa
     assert "is up to date" in r.out and f.read_bytes() == edited
 
 
+def test_an_unrecorded_tree_of_tool_made_commits_follows_patches(proj_with_patch):
+    """A tree of an earlier version of the tool (no sync record) whose commits the tool made from patch
+    files holds nothing of the user's: apply follows an edited patches/; a user's commit there blocks it."""
+    p = proj_with_patch
+    t = p.tree("9.9.0")
+    git(t, "reset", "-q", "--hard", "v9.9.0")
+    p.run("apply", check_rc=0)  # commits made by the tool from the patch file
+    (t / ".git" / "glm5-overlay-sync.json").unlink()
+    f = p.patches("9.9.0") / "0001-Model-Twenty-as-a-word.patch"
+    f.write_text(f.read_text().replace("Why this patch exists: a test", "Why this patch exists: pulled"))
+    r = p.run("apply", check_rc=0)
+    assert "holds only commits this tool made" in r.out and "pulled" in git(t, "log", "-1", "--format=%B")
+    (t / ".git" / "glm5-overlay-sync.json").unlink()
+    git(t, "commit", "-q", "--amend", "-m", "[Model] Twenty as a word\n\nWhy this patch exists: mine\n\n"
+        "Concern: routing\nForwarded: no\nLast-Update: 2026-12-02\n")
+    mine = git(t, "rev-parse", "HEAD")
+    r = p.run("apply", check_rc=5)
+    assert "the tree and patches/ disagree" in r.out and git(t, "rev-parse", "HEAD") == mine
+
+
 def test_patches_and_tree_both_changed_is_refused_until_one_side_is_chosen(proj_with_patch):
     p = proj_with_patch
     t = p.tree("9.9.0")

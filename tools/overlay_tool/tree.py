@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .errors import INTERRUPTED, CheckoutError, PatchError, PinError, RefusedError, ToolError, UsageError
 from .gitutil import Git
-from .patches import FIXED_EPOCH, AUTHOR, PatchFile, normalize_export
+from .patches import AUTHOR, AUTHOR_NAME, FIXED_EPOCH, PatchFile, normalize_export
 from .pins import Pin
 from .project import OverlayFile
 from .safety import child_kwargs, held_open, kill_group, owned_tempdir
@@ -419,13 +419,18 @@ class Tree:
         commits = self.patch_commits(start)
         state = self.sync_state(fingerprint) if fingerprint else None
         rec = self.read_sync()
-        safe = rec is not None and rec.get("head") == start and bool(rec.get("exported"))
         mismatch = None if rebuild else self.first_mismatch(commits, patches)
-        if mismatch is not None and state == "patches-newer" and safe:
-            # patches/ changed (a pull, or an edit there) and the tree is exactly as last applied/refreshed,
-            # holding nothing patches/ lacks: re-applying the series loses nothing (old HEAD kept as a ref)
-            log(f"patches/{self.pin.version} changed since {self.path} was last applied/refreshed and the tree "
-                f"did not: re-applying the series from {self.pin.tag} (the old HEAD stays as {BACKUP_REF})")
+        if rec is not None:
+            safe = rec.get("head") == start and bool(rec.get("exported"))
+        else:  # not recorded (a tree of an earlier version of the tool): safe if every commit is the tool's own
+            safe = (rebuild or mismatch is not None) and self.only_tool_commits(start)
+        if mismatch is not None and state in ("patches-newer", None) and safe:
+            # patches/ changed (a pull, or an edit there) and the tree holds nothing patches/ lacks (it is
+            # as last applied/refreshed, or every commit is one this tool made from a patch file):
+            # re-applying the series loses nothing (the old HEAD is kept as a ref)
+            why = ("the tree did not" if state else "the tree holds only commits this tool made from patch files")
+            log(f"patches/{self.pin.version} differs from the tree's commits and {why}: re-applying the series "
+                f"from {self.pin.tag} (the old HEAD stays as {BACKUP_REF})")
             rebuild = True
         if rebuild:
             if not safe and not force:
@@ -467,6 +472,12 @@ class Tree:
             self.write_sync(fingerprint, exported=len(commits) <= len(patches))
         return sim
 
+    def only_tool_commits(self, start: str) -> bool:
+        """True when every commit after the baseline was written by this tool (its fixed committer
+        identity and date): patch commits made from patch files and overlay commits, nothing of a user's."""
+        out = self.g.out("log", "--format=%cn%x01%ct", f"{self.base}..{start}")
+        return all(line == f"{AUTHOR_NAME}\x01{FIXED_EPOCH}" for line in out.splitlines())
+
     def first_mismatch(self, commits: list[str], patches: list[PatchFile]) -> int | None:
         """0-based index of the first tree patch commit whose export is not the series entry there."""
         for i, (sha, p) in enumerate(zip(commits, patches)):
@@ -498,7 +509,10 @@ class Tree:
                     f"(overwrites patches/{v}), `tools/apply.py apply --rebuild --force` keeps patches/{v} "
                     f"(old HEAD kept as {BACKUP_REF})")
         else:
-            why = "the tree and patches/ disagree"
+            why = ("the tree and patches/ disagree (which side changed is not recorded, and the tree holds commits "
+                   "this tool did not make)")
+            keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild --force` (the old HEAD is kept as {BACKUP_REF}); "
+                    f"to keep the tree: `tools/apply.py refresh --force` (overwrites patches/{v} with the tree's commits)")
         return f"{self.path}: {why}: {what}; nothing was touched.\n{keep}"
 
     def diagnose(self, patches: list[PatchFile], overlay: list[OverlayFile] | None, err: PatchError) -> ToolError:
