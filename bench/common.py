@@ -30,7 +30,7 @@ FLASHMLA_MEMBERS = {
     "vllm/_flashmla_C.abi3.so": "vllm/_flashmla_C.abi3.so",
     "vllm/third_party/flashmla/flash_mla_interface.py": "vllm/third_party/flashmla/flash_mla_interface.py",
 }
-VLLM_C_MEMBER = "vllm/_C_stable_libtorch.abi3.so"  # 79 MB in 0.26.0 (56 MB as .xz): opt-in
+CARRY = ROOT / ".peers-carry"  # vLLM's _C, staged by `python3 e2e/gpu_tests.py --prepare` (~56 MiB)
 
 
 def pin_wheel(pin: str | None = None) -> tuple[str, Path]:
@@ -116,28 +116,57 @@ def load_flashmla(pin: str | None = None, peers: Path = PEERS):
     return fmi, None
 
 
-def load_vllm_c(pin: str | None = None, peers: Path = PEERS, tmp: Path = Path("/tmp/glm5_vllm_c")):
-    """Load vLLM's ``_C_stable_libtorch`` (registers ``torch.ops._C``) from ``peers/<pin>/``
-    (raw or ``.xz``; decompressed to ``tmp``). Returns ``(True, note)`` or ``(False, why)``."""
+def load_vllm_c(pin: str | None = None, carry: Path | None = None):
+    """Load vLLM's ``_C_stable_libtorch`` (registers ``torch.ops._C_cache_ops``) from the
+    ``.peers-carry/`` folder that ``python3 e2e/gpu_tests.py --prepare`` stages (xz + manifest with
+    sha256 and the torch it is built for; the same files tests/kernels/vllm_peers.py loads).
+    Returns ``(True, note)`` or ``(False, why)``."""
+    import ctypes
+    import glob
+    import hashlib
+    import json
+    import site
+    import tempfile
+
     import torch
 
     pin, _ = pin_wheel(pin)
-    src = peers / pin / VLLM_C_MEMBER
-    so = src
-    if not src.exists():
-        xz = Path(str(src) + ".xz")
-        if not xz.exists():
-            return False, f"vLLM {pin} _C not staged ({src}[.xz]; bench --prepare-peers --with-vllm-c)"
-        so = tmp / pin / "_C_stable_libtorch.abi3.so"
-        if not so.exists():
-            so.parent.mkdir(parents=True, exist_ok=True)
-            with lzma.open(xz) as f, open(so, "wb") as g:
-                shutil.copyfileobj(f, g, 1 << 24)
+    carry = carry or CARRY
+    man = carry / "manifest.json"
+    if not man.exists():
+        return False, f"{man} not staged (python3 e2e/gpu_tests.py --prepare)"
+    entry = json.loads(man.read_text()).get("pins", {}).get(pin)
+    if entry is None:
+        return False, f"{man} has no vLLM {pin} library"
+    have = torch.__version__.split("+")[0]
+    if have != entry["torch"]:
+        return False, f"vLLM {pin}'s compiled ops are built for torch {entry['torch']}, this is torch {have}"
+    dst = Path(tempfile.gettempdir()) / "glm5-peers" / entry["sha256"][:16] / entry["name"]
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        part = dst.with_suffix(".part")
+        with lzma.open(carry / entry["path"]) as f, open(part, "wb") as g:
+            shutil.copyfileobj(f, g, 1 << 24)
+        part.replace(dst)
+    h = hashlib.sha256()
+    with open(dst, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    if h.hexdigest() != entry["sha256"]:
+        dst.unlink()
+        return False, f"{dst} does not match the manifest's sha256"
+    for root in site.getsitepackages() + ["/usr/local/cuda/lib64"]:  # libcudart by soname (torch's wheels)
+        hits = sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so.13*"), recursive=True))
+        if hits:
+            ctypes.CDLL(hits[0], mode=ctypes.RTLD_GLOBAL)
+            break
     try:
-        torch.ops.load_library(str(so))
+        torch.ops.load_library(str(dst))
     except Exception as e:  # depends on the device image
         return False, f"vLLM {pin} _C load failed: {type(e).__name__}: {e}"[:400]
-    return True, f"vLLM {pin} _C_stable_libtorch loaded from {src.parent}"
+    if not hasattr(torch.ops, "_C_cache_ops"):
+        return False, f"vLLM {pin}'s {entry['name']} registered no _C_cache_ops"
+    return True, f"vLLM {pin} _C_stable_libtorch loaded from {carry}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -255,14 +284,62 @@ def host_us(fn, calls: int = 1000, sync_every: int = 16, warmup: int = 20) -> fl
     return median(ts) * 1e6
 
 
-def copy_bandwidth(device=None, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of do_bench."""
-    import torch
-    import triton
+TIMING = {"target_ms": 15.0, "rounds": 5}  # defaults of time_graph_steps (scripts may update them)
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device or "cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
+
+def time_graph_steps(step, n_iter: int, target_ms: float | None = None, rounds: int | None = None):
+    """step(i) enqueues iteration i. Captures n_iter iterations in one CUDA graph; returns the
+    median per-iteration time in microseconds over ``rounds`` rounds of replays, and the spread
+    (max - min) / median. (Moved from bench/dsa_indexer.py.)"""
+    import torch
+
+    target_ms = TIMING["target_ms"] if target_ms is None else target_ms
+    rounds = TIMING["rounds"] if rounds is None else rounds
+    step(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_iter):
+            step(i)
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(200, int(target_ms / 1e3 / one)))
+    res = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / (reps * n_iter))
+    del g
+    return statistics.median(res), (max(res) - min(res)) / statistics.median(res)
+
+
+def copy_bandwidth(device=None) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written): a 2 GiB copy, five
+    rounds of five copies between CUDA events, median. (Moved from bench/dsa_indexer.py; both
+    benchmark scripts use it.)"""
+    import torch
+
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=device or "cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            y.copy_(x)
+        b.record()
+        b.synchronize()
+        res.append(2 * x.numel() * 5 / (a.elapsed_time(b) * 1e-3))
+    del x, y
     torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3)
+    return statistics.median(res)

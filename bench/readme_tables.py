@@ -39,7 +39,7 @@ def _commands(result: dict) -> list[str]:
 
 def render_decode(result: dict | None, formats: tuple[str, ...] = ("fp8_ds_mla",)) -> list[str]:
     if result is None:
-        return [f"(no `bench/results/{DECODE_STEM}.json` yet: `python bench/sparse_mla_decode.py`)"]
+        return ["(no decode results yet: `python bench/sparse_mla_decode.py` writes them)"]
     recs = [r for r in result["records"] if r["kv_format"] in formats]
     lines = [f"{result['device']}, topk {result.get('topk', 2048)}, copy bandwidth "
              f"{result.get('copy_bw_GBps', 0):.0f} GB/s; us per call under CUDA-graph replay, host us = median "
@@ -53,7 +53,7 @@ def render_decode(result: dict | None, formats: tuple[str, ...] = ("fp8_ds_mla",
 
 def render_prefill(result: dict | None) -> list[str]:
     if result is None:
-        return [f"(no `bench/results/{PREFILL_STEM}.json` yet: `python bench/sparse_mla_decode.py --prefill`)"]
+        return ["(no prefill results yet: `python bench/sparse_mla_decode.py --prefill` writes them)"]
     lines = [f"{result['device']}, one request, {result['records'][0]['tokens'] if result['records'] else 0} query "
              f"rows, topk {result.get('topk', 2048)}; us per call (CUDA events, eager); from "
              + ", ".join(_commands(result)) + ":", ""]

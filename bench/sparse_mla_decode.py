@@ -22,8 +22,8 @@ Decode, per shape (heads H, query rows T, topk 2048, KV formats ``fp8_ds_mla`` 6
    folds them into a checksum -- the memory-side limit of this access pattern, best of a few tile
    shapes; ``kernel_over_gather = us / gather_us``;
 3. FlashMLA's sparse FP8 decode from the pinned vLLM wheel (staged in ``.peers/<pin>/``), fp8_ds_mla
-   only, twice: as vLLM's ``FlashMLASparseImpl`` calls it (q zero-padded to 64/128 heads, output
-   sliced back and made contiguous: ``flashmla_us``, ``ratio_vs_flashmla``) and the kernel alone at
+   only, twice: as vLLM's ``FlashMLASparseImpl`` calls it (q zero-padded to 64/128 heads by a slice
+   copy, output sliced back: ``flashmla_us``, ``ratio_vs_flashmla``) and the kernel alone at
    the padded head count (``flashmla_kernel_us``, ``ratio_vs_flashmla_kernel``);
 4. the naive path (gather, dequantize to bf16, attention in PyTorch), unless ``--no-naive``;
 5. the floor: bytes that must move over the copy bandwidth measured in the same run.
@@ -32,10 +32,15 @@ Prefill (``--prefill``): one request, contexts 8k and 32k, a chunk of 8,192 quer
 8,192 positions), each row's top-k causal within the request, H = 8 and 64, against what vLLM's
 FLASHMLA_SPARSE does for that prefill at that head count: below 32 heads its FP8 decode kernel over
 all rows (heads padded to 64); from 32 heads the request's context upconverted into a bf16
-workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` is staged with
-``--prepare-peers --with-vllm-c``, else a PyTorch equivalent, recorded) and
+workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` came along in
+``.peers-carry/`` -- ``python3 e2e/gpu_tests.py --prepare`` -- else a PyTorch equivalent,
+recorded) and
 ``flash_mla_sparse_fwd`` over it, heads padded to the prefill kernel's multiple (64 on SM90, 128 on
 SM100, read from the 0.26.0 source). Eager calls timed with CUDA events.
+
+Also timed: ``workspace_us``, the prefill workspace design's first measurable form (the request's
+context dequantized once by ``mla_kv_gather_dequant`` into a bf16 workspace, then this kernel over
+it in the ``bfloat16`` format with request positions as indices).
 
 Every record is checked against the float64 reference (``rel_err``; prefill on a sample of rows)
 and carries the command that produced it; ``--time-budget S`` stops starting shapes so results are
@@ -79,15 +84,12 @@ MIN_HEADS_FOR_BF16_PREFILL = 32  # vLLM 0.26.0 flashmla_sparse.py
 # Peers (CPU side): FlashMLA (+ optionally vLLM's _C) and the writer cubins from the cached wheels
 # ------------------------------------------------------------------------------------------
 
-def prepare_peers(with_vllm_c: bool = False) -> int:
-    """Stage FlashMLA of the default pin into .peers/<pin>/ (and vLLM's _C as .xz when asked),
-    and the sm_90 cubins holding vLLM's MLA cache writers of every pin into .peers/vllm_cubins/
+def prepare_peers() -> int:
+    """Stage FlashMLA of the default pin into .peers/<pin>/ and the sm_90 cubins holding vLLM's MLA cache writers of every pin into .peers/vllm_cubins/
     (for tests/kernels/test_mla_kv_cache.py). Returns the bytes under .peers/."""
     import tomllib
 
     common.stage_members(common.FLASHMLA_MEMBERS)
-    if with_vllm_c:
-        common.stage_members({common.VLLM_C_MEMBER: common.VLLM_C_MEMBER}, compress=True)
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -250,8 +252,9 @@ def flashmla_padded_heads(H: int) -> int:
 def flashmla_fn(fmi, q, cache, idx, sched, as_vllm: bool = True):
     """FlashMLA's sparse FP8 decode, one query row per request: q [T, H, 576] -> [T, 1, Hpad, 576].
 
-    ``as_vllm``: exactly what vLLM 0.26.0's FlashMLASparseImpl does per call (zero-padded q built
-    from q, kernel, output sliced back to H heads and reshaped to [T, H, 512], a copy when padded).
+    ``as_vllm``: exactly what vLLM 0.26.0's FlashMLASparseImpl does per call (a zero-padded q and
+    a slice copy of q into it, the kernel, the output sliced back to H heads and viewed as
+    [T, H, 512] by reshape_attn_output_for_spec_decode: no copy).
     Otherwise the kernel alone on a q padded once outside (its output left padded)."""
     T, H, D = q.shape
     hp = flashmla_padded_heads(H)
@@ -279,7 +282,7 @@ def flashmla_fn(fmi, q, cache, idx, sched, as_vllm: bool = True):
         o, lse = kernel(qq)
         if H < hp:
             o = o[:, :, :H, :]
-        return o.reshape(T, H, 512), lse
+        return o.view(T, H, 512), lse
     return f
 
 
@@ -519,6 +522,28 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
     rec["us"] = common.time_events([lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")])
     rec["host_us"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla"),
                                     calls=args.host_calls)
+    # the workspace design (docs/notes/sparse_mla.md), steps 1 + 3: the request's context
+    # dequantized once into a bf16 workspace, then the same kernel over it in the bfloat16 format
+    # with request positions as indices
+    from kernels.triton_mla_kv_cache import mla_kv_gather_dequant
+
+    ws = torch.empty((ctx, 576), dtype=torch.bfloat16, device=device)
+    bt = table.view(1, -1)
+    one_len = torch.tensor([ctx], dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def ws_gather():
+        mla_kv_gather_dequant(cache, bt, one_len, zero, ws, "fp8_ds_mla", max_seq_len=ctx)
+
+    def ws_attn():
+        return sparse_mla_decode(q, ws.view(ctx, 1, 576), positions, SOFTMAX_SCALE, "bfloat16")[0]
+
+    ws_gather()
+    o_ws = ws_attn()
+    rec["workspace_rel_err_sampled_rows"] = rel_err(o_ws[sample], ro)
+    rec["workspace_us"] = common.time_events([ws_gather, ws_attn])
+    rec["workspace_steps_us"] = {"gather_dequant": common.time_events([ws_gather]),
+                                 "attention_bf16": common.time_events([ws_attn])}
     if fmi is not None:
         cc = torch.cuda.get_device_capability()[0]
         steps, what = flashmla_prefill_fns(fmi, vllm_c, q, cache, table, positions, slots, lengths, ctx, cc)
@@ -530,6 +555,7 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
         if len(steps) > 1:
             rec["flashmla_steps_us"] = {n: common.time_events([f]) for n, f in steps}
         rec["ratio_vs_flashmla"] = common.ratio(rec["us"], rec["flashmla_us"])
+        rec["workspace_ratio_vs_flashmla"] = common.ratio(rec["workspace_us"], rec["flashmla_us"])
     return rec
 
 
@@ -594,7 +620,8 @@ def decode_table(records: list[dict], proxy: bool = False) -> list[str]:
     return lines
 
 
-PREFILL_COLUMNS = "| context | H | rows | ours us | FLASHMLA_SPARSE us | ours/FLASHMLA_SPARSE | its path | host us | rel err (64 rows) |"
+PREFILL_COLUMNS = ("| context | H | rows | ours us | ours via workspace us | FLASHMLA_SPARSE us | ours/FLASHMLA_SPARSE | "
+                   "workspace/FLASHMLA_SPARSE | its path | host us | rel err (64 rows) |")
 
 
 def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
@@ -602,8 +629,9 @@ def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
     for r in records:
         if bool(r.get("sm120_proxy")) != proxy:
             continue
-        lines.append(f"| {r['context']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('flashmla_us'))} | "
-                     f"{_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | {r.get('flashmla_path', '-')} | "
+        lines.append(f"| {r['context']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('workspace_us'))} | "
+                     f"{_f(r.get('flashmla_us'))} | {_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | "
+                     f"{_f(r.get('workspace_ratio_vs_flashmla'), '{:.2f}')} | {r.get('flashmla_path', '-')} | "
                      f"{_f(r.get('host_us'))} | {_f(r.get('rel_err_sampled_rows'), '{:.1e}')} |")
     return lines
 
@@ -678,8 +706,6 @@ SWEEP = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare-peers", action="store_true", help="CPU: stage FlashMLA + writer cubins in .peers/")
-    ap.add_argument("--with-vllm-c", action="store_true",
-                    help="with --prepare-peers: also stage vLLM's _C (.xz, ~56 MB) for the prefill workspace op")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the benchmark")
     ap.add_argument("--prefill", action="store_true", help="prefill case -> sparse_prefill_h200.json")
     ap.add_argument("--sm120-proxy", action="store_true",
@@ -705,8 +731,6 @@ def parse_args(argv=None):
     for f in args.formats:
         if f not in ROW_BYTES:
             ap.error(f"--formats: {f!r} is not one of {sorted(ROW_BYTES)}")
-    if args.with_vllm_c and not args.prepare_peers:
-        ap.error("--with-vllm-c goes with --prepare-peers")
     if args.prefill and args.sweep:
         ap.error("--prefill and --sweep are separate runs")
     if args.time_budget is not None and args.time_budget <= 0:
@@ -717,14 +741,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prepare_peers:
-        prepare_peers(args.with_vllm_c)
+        prepare_peers()
         return 0
+    cmd = common.command_line(__file__, argv)  # as typed (before the proxy sets the dispatch override)
     if args.sm120_proxy:
         if os.environ.get("DISABLE_MMA_V3") != "1":
             print("--sm120-proxy needs DISABLE_MMA_V3=1 in the environment (set before Triton compiles)")
             return 2
         os.environ["GLM5_SPARSE_MLA_DISPATCH_CC"] = "12"
-    cmd = common.command_line(__file__, argv)
     budget = common.TimeBudget(args.time_budget)
 
     import torch

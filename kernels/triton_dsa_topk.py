@@ -69,6 +69,7 @@ __all__ = [
     "persistent_topk_reference",
     "topk_rows_reference",
     "topk_config",
+    "topk_workspace_bytes",
     "dispatch_launches",
     "SM120_COMPILE_SPECS",
 ]
@@ -404,9 +405,11 @@ def _topk_merge_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-# Radix digit width of every select (constexpr BITS): 8-bit digits take 4 passes for a 32-bit key
-# where 4-bit digits take 8; each pass pays a cross-warp histogram merge and a barrier.
-RADIX_BITS = 8
+# Radix digit width of every select (constexpr BITS). 8-bit digits take 4 passes for a 32-bit key
+# where 4-bit digits take 8, but each pass's 256-bin histogram costs more than the passes saved: on
+# the H200 (bench/dsa_indexer.py --sweep) the top-k with BITS=8 took 17.9 us at 4k T=128 against
+# 13.1 us with BITS=4, and 35.4 / 40.0 / 54.3 us at 32k T=1/16/64 against 27.1 / 28.9 / 39.4 us.
+RADIX_BITS = 4
 # Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
 SEG_MIN = 8192
 
@@ -460,6 +463,45 @@ def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
     return out
 
 
+def _as_int32_scratch(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An int32 view of a contiguous scratch buffer of any dtype (vLLM's workspace manager hands
+    out uint8 views), or None when it cannot be viewed so (16-byte aligned sub-buffers need a
+    4-byte multiple)."""
+    if t is None or not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 16:
+        return None
+    return t.reshape(-1).view(torch.int32) if t.dtype != torch.int32 else t.reshape(-1)
+
+
+def topk_workspace_bytes(k: int, max_rows: int, max_seq_len: int, num_sms: int | None = None,
+                         device: torch.device | str | None = None) -> int:
+    """Bytes of scratch that covers every top-k call with at most ``max_rows`` rows of at most
+    ``max_seq_len`` columns (``scratch=`` of the entries; what vLLM reserves in its memory
+    profiling run, from max_num_batched_tokens and max_model_len). The scratch of one call is
+    ``_scratch_layout(rows, k, CAP, SPLIT)`` int32 words: 2 x rows x CAP (candidate keys and
+    positions, the 8 x rows x CAP bytes that dominate at large batch) plus, when rows are split,
+    rows x SPLIT x (k + 2 CAP). SPLIT grows as rows shrink, so the maximum over rows <= max_rows is
+    taken at the largest row count of each SPLIT regime. ``num_sms`` defaults to the SM count the
+    launch uses on ``device`` (8 off CUDA / in the interpreter, as the launch)."""
+    if max_rows <= 0:
+        return 0
+    if num_sms is None:
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or _interpret():
+            num_sms = 8
+        else:
+            num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    cands = {max_rows}
+    for sp in (1, 2, 4, 8, 16):  # largest rows with (2 * sms) // rows >= sp
+        r = (2 * num_sms) // sp
+        if 1 <= r <= max_rows:
+            cands.add(r)
+    words = 0
+    for r in cands:
+        cfg = topk_config(k, max_seq_len, r, num_sms)
+        words = max(words, _scratch_layout(r, k, cfg["CAP"], cfg["SPLIT"])["total"])
+    return 4 * words
+
+
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
@@ -484,7 +526,8 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
     lay = _scratch_layout(rows, k, cap, split)
-    if scratch is None or scratch.numel() < lay["total"] or scratch.dtype != torch.int32:
+    scratch = _as_int32_scratch(scratch)
+    if scratch is None or scratch.numel() < lay["total"]:
         scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
     bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
     b = b if b is not None else a
@@ -568,11 +611,8 @@ def persistent_topk(logits: torch.Tensor, lengths: torch.Tensor, output: torch.T
     rows = logits.shape[0]
     if lens.numel() != rows:
         raise ValueError(f"lengths has {lens.numel()} entries for {rows} logits rows")
-    scratch = None
-    if workspace is not None and workspace.is_contiguous() and workspace.numel() * workspace.element_size() % 4 == 0:
-        scratch = workspace.view(torch.int32) if workspace.dtype != torch.int32 else workspace
     _launch(logits, lens, None, output, 1, k, _MODE_ROW_LENGTHS, max(int(max_seq_len), logits.shape[1]),
-            scratch=scratch, **overrides)
+            scratch=workspace, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------

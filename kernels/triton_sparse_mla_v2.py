@@ -65,6 +65,8 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+    # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.5-3.6, gl.barrier from 3.7
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAS_GLUON = True
 except Exception:  # pragma: no cover - Triton without Gluon (< 3.5): v1 only
     HAS_GLUON = False
@@ -160,7 +162,7 @@ if HAS_GLUON:
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, COL_M)
 
         cp.wait_group(0)  # this thread's copies of this tile landed
-        gl.thread_barrier()  # everyone's did; everyone is done with the previous tile
+        _cta_barrier()  # everyone's did; everyone is done with the previous tile
         if has_next:
             _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
                         stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
@@ -179,7 +181,7 @@ if HAS_GLUON:
         raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
         sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
         k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        gl.thread_barrier()
+        _cta_barrier()
 
         # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64)
         s = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
@@ -202,7 +204,7 @@ if HAS_GLUON:
         # max is a quad shuffle and P needs no further layout change: one CTA barrier
         valid = (vs >= 0) & (vs < num_slots)
         s_smem.store(gl.where(valid[None, :], s * qk_scale_log2, float("-inf")))
-        gl.thread_barrier()
+        _cta_barrier()
         s = s_smem.load(OP_A)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)

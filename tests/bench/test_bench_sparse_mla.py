@@ -41,7 +41,6 @@ def test_parse_defaults_and_modes():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--formats", "fp4"], "--formats"),
-    (["--with-vllm-c"], "--with-vllm-c goes with --prepare-peers"),
     (["--prefill", "--sweep"], "separate runs"),
     (["--time-budget", "0"], "positive"),
 ])
@@ -130,19 +129,30 @@ def test_stage_members_from_a_wheel(tmp_path):
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("vllm/_flashmla_C.abi3.so", b"\x7fELF" + b"x" * 100)
         z.writestr("vllm/third_party/flashmla/flash_mla_interface.py", "X = 1\n")
-        z.writestr("vllm/_C_stable_libtorch.abi3.so", b"\x7fELF" + b"y" * 5000)
+        z.writestr("vllm/big.so", b"\x7fELF" + b"y" * 5000)
     peers = tmp_path / "peers"
     d = common.stage_members(common.FLASHMLA_MEMBERS, "0.26.0", peers, wheel=whl)
     assert d == peers / "0.26.0"
     assert (d / "vllm/_flashmla_C.abi3.so").read_bytes().startswith(b"\x7fELF")
     for init in ("vllm/__init__.py", "vllm/third_party/__init__.py", "vllm/third_party/flashmla/__init__.py"):
         assert (d / init).exists()
-    common.stage_members({common.VLLM_C_MEMBER: common.VLLM_C_MEMBER}, "0.26.0", peers, compress=True, wheel=whl)
-    xz = d / (common.VLLM_C_MEMBER + ".xz")
+    common.stage_members({"vllm/big.so": "vllm/big.so"}, "0.26.0", peers, compress=True, wheel=whl)
+    xz = d / "vllm/big.so.xz"
     assert lzma.decompress(xz.read_bytes()) == b"\x7fELF" + b"y" * 5000
     assert common.peers_bytes(peers) == sum(p.stat().st_size for p in peers.rglob("*") if p.is_file())
     with pytest.raises(FileNotFoundError, match="not cached"):
         common.stage_members(common.FLASHMLA_MEMBERS, "0.26.0", peers, wheel=tmp_path / "missing.whl")
+
+
+def test_load_vllm_c_says_why(tmp_path):
+    ok, why = common.load_vllm_c("0.26.0", carry=tmp_path)
+    assert not ok and "e2e/gpu_tests.py --prepare" in why
+    (tmp_path / "manifest.json").write_text(json.dumps({"pins": {"0.26.0": {"torch": "0.0.1", "name": "x.so",
+                                                                             "path": "x.so.xz", "sha256": "0" * 64}}}))
+    ok, why = common.load_vllm_c("0.26.0", carry=tmp_path)
+    assert not ok and "built for torch 0.0.1" in why
+    ok, why = common.load_vllm_c("0.33.0", carry=tmp_path)
+    assert not ok and "no vLLM 0.33.0 library" in why
 
 
 def test_load_flashmla_without_wheel_says_why(tmp_path, monkeypatch):
@@ -197,7 +207,7 @@ def test_tables_and_readme_sections(tmp_path):
     (tmp_path / "sparse_decode_h200.json").write_text(json.dumps(res))
     pre = {"device": "NVIDIA H200", "topk": 2048, "runs": [{"command": "python bench/sparse_mla_decode.py --prefill"}],
            "records": [{"context": 8192, "heads": 8, "tokens": 8192, "us": 900.0, "flashmla_us": 1000.0,
-                        "ratio_vs_flashmla": 0.9, "flashmla_path": "FP8 decode kernel, heads padded to 64",
+                        "ratio_vs_flashmla": 0.9, "workspace_us": 500.0, "workspace_ratio_vs_flashmla": 0.5, "flashmla_path": "FP8 decode kernel, heads padded to 64",
                         "host_us": 8.0, "rel_err_sampled_rows": 4e-3}]}
     (tmp_path / "sparse_prefill_h200.json").write_text(json.dumps(pre))
     readme = ("intro\n<!-- sparse-mla-decode:begin -->\nstale\n<!-- sparse-mla-decode:end -->\nmiddle\n"
@@ -205,11 +215,11 @@ def test_tables_and_readme_sections(tmp_path):
     out = RT.render_readme(readme, tmp_path)
     assert out.startswith("intro\n") and out.endswith("end\n") and "\nmiddle\n" in out and "stale" not in out
     assert "| fp8_ds_mla | 8 | 1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
-    assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 1000.0 | 0.90 |" in out
+    assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 500.0 | 1000.0 | 0.90 | 0.50 |" in out
     assert "`python bench/sparse_mla_decode.py --prefill`" in out
     assert RT.render_readme(out, tmp_path) == out  # idempotent
     (tmp_path / "sparse_prefill_h200.json").unlink()
-    assert "no `bench/results/sparse_prefill_h200.json` yet" in RT.render_readme(readme, tmp_path)
+    assert "no prefill results yet" in RT.render_readme(readme, tmp_path)
     with pytest.raises(ValueError, match="exactly one"):
         RT.replace_section("no markers", "sparse-mla-decode", ["x"])
     with pytest.raises(ValueError, match="comes before"):
@@ -253,3 +263,94 @@ def test_prefill_inputs_are_causal_topk():
         assert (pos[r][len(v):] == -1).all()  # valid entries first, then padding
         want = table.long()[v // B.BLOCK_SIZE] * B.BLOCK_SIZE + v % B.BLOCK_SIZE
         assert torch.equal(slots[r][: len(v)].long(), want) and (slots[r][len(v):] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the FlashMLA call shapes (a stand-in records what the bench hands the interface)
+# ---------------------------------------------------------------------------------------------
+
+class _FakeFlashMLA:
+    def __init__(self):
+        self.calls = []
+
+    def get_mla_metadata(self):
+        return object(), None
+
+    def flash_mla_with_kvcache(self, **kw):
+        self.calls.append(("decode", kw))
+        q = kw["q"]
+        return q[..., :512] * 2, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, scale, topk_length=None):
+        self.calls.append(("sparse_fwd", dict(q=q, kv=kv, indices=indices, topk_length=topk_length)))
+        return q[..., :512] * 3, None, None
+
+
+def test_flashmla_decode_as_vllm_and_kernel_alone():
+    fmi = _FakeFlashMLA()
+    T, H = 3, 8
+    q = torch.randn(T, H, 576)
+    cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    idx = torch.zeros(T, 16, dtype=torch.int32)
+    o, _ = B.flashmla_fn(fmi, q, cache, idx, object())()
+    kw = fmi.calls[-1][1]
+    assert kw["q"].shape == (T, 1, 64, 576) and torch.equal(kw["q"][:, 0, :H], q) and not kw["q"][:, :, H:].any()
+    assert kw["indices"].shape == (T, 1, 16) and kw["k_cache"].shape == (4, 64, 1, 656)
+    # sliced back as a view, as reshape_attn_output_for_spec_decode does (no copy)
+    assert o.shape == (T, H, 512) and o.stride() == (64 * 512, 512, 1) and torch.equal(o, 2 * q[..., :512])
+    fmi.calls.clear()
+    B.flashmla_fn(fmi, q, cache, idx, object(), as_vllm=False)()
+    assert fmi.calls[-1][1]["q"].shape == (T, 1, 64, 576)
+
+
+@pytest.mark.parametrize("H", [8, 64])
+def test_flashmla_prefill_paths(H):
+    """Below 32 heads FLASHMLA_SPARSE runs its FP8 decode kernel over all rows (heads padded to
+    64); from 32 heads: upconvert into the bf16 workspace, then flash_mla_sparse_fwd over it with
+    request positions as indices and the valid counts as topk_length."""
+    fmi = _FakeFlashMLA()
+    ctx, chunk = 2560, 40
+    q, table, pos, slots, lengths = B.prefill_inputs(ctx, H, "cpu", seed=5, chunk=chunk)
+    q = q.float()
+    cache = torch.randint(0, 100, (B.POOL_TOKENS // B.BLOCK_SIZE, B.BLOCK_SIZE, 656), dtype=torch.uint8)
+    cache[..., 512:528] = torch.full((1,), 0.5).view(torch.uint8).repeat(4)  # finite scales
+    steps, what = B.flashmla_prefill_fns(fmi, False, q, cache, table, pos, slots, lengths, ctx, cc_major=9)
+    outs = [f() for _, f in steps]
+    if H < 32:
+        assert [n for n, _ in steps] == ["fp8_decode_kernel_mixed_batch"] and "padded to 64" in what
+        kw = fmi.calls[-1][1]
+        assert kw["q"].shape == (1, chunk, 64, 576) and torch.equal(kw["indices"][0], slots)
+        assert outs[-1].shape == (chunk, H, 512)
+    else:
+        assert [n for n, _ in steps] == ["upconvert", "flash_mla_sparse_fwd"] and "PyTorch equivalent" in what
+        kw = fmi.calls[-1][1]
+        assert kw["q"].shape == (chunk, 64, 576) and kw["kv"].shape == (ctx, 1, 576)
+        assert torch.equal(kw["indices"][:, 0], pos) and torch.equal(kw["topk_length"], lengths)
+        # the workspace holds the request's tokens in order, dequantized
+        want = B.upconvert_torch(cache, table, ctx)
+        assert torch.equal(kw["kv"][:, 0], want)
+        tok = 1234
+        blk, off = table[tok // B.BLOCK_SIZE].item(), tok % B.BLOCK_SIZE
+        from kernels.mla_kv_format import dequantize_rows, resolve_kv_format
+        row = dequantize_rows(cache[blk, off], resolve_kv_format("fp8_ds_mla", torch.bfloat16), None, torch.float32)
+        assert torch.equal(want[tok], row.to(torch.bfloat16))
+        assert outs[-1].shape == (chunk, H, 512)
+        steps128, what128 = B.flashmla_prefill_fns(fmi, False, q, cache, table, pos, slots, lengths, ctx, cc_major=10)
+        steps128[-1][1]()
+        assert fmi.calls[-1][1]["q"].shape == (chunk, 128, 576) and "multiple of 128" in what128
+
+
+def test_naive_path_matches_reference_on_cpu():
+    from kernels.triton_mla_kv_cache import mla_kv_cache_write_reference
+    from kernels.triton_sparse_mla import sparse_mla_decode_reference
+
+    n = 4 * 64
+    cache = torch.empty(4, 64, 656, dtype=torch.uint8)
+    mla_kv_cache_write_reference(torch.randn(n, 512).bfloat16(), torch.randn(n, 64).bfloat16(), cache,
+                                 torch.arange(n), "fp8_ds_mla")
+    q = torch.randn(2, 4, 576).bfloat16()
+    idx = torch.randint(0, n, (2, 40), dtype=torch.int32)
+    idx[0, :5] = -1
+    o, _ = B.naive_fn(q, cache, idx, "fp8_ds_mla", None)()
+    ro, _ = sparse_mla_decode_reference(q, cache, idx, B.SOFTMAX_SCALE, "fp8_ds_mla")
+    assert B.rel_err(o, ro) < 2e-2

@@ -283,7 +283,7 @@ def emulated(module, name: str):
     """The Python body of Gluon kernel ``module.name`` with every Gluon helper of the module rebuilt
     on the stand-ins (one shared globals dict)."""
     g = dict(module.__dict__)
-    g.update(gl=make_gl(), cp=make_cp(), mma_v2=_mma_v2)
+    g.update(gl=make_gl(), cp=make_cp(), mma_v2=_mma_v2, _cta_barrier=lambda: None)
     for k, v in list(g.items()):
         if type(v).__name__ == "GluonJITFunction":
             f = v.fn

@@ -717,3 +717,22 @@ def test_block_table_with_one_column_any_stride():
     res = I.fp8_paged_mqa_logits(q.to(DEVICE), cache, w.to(DEVICE), cl.to(DEVICE), bt_view, page)
     ref, mag = _paged_ref(q, cache, w, cl, col.view(B, 1).contiguous(), page)
     _check_logits(res, ref, mag, logits_eps(D, H), True)
+
+
+def test_k_write_and_gather_empty_inputs():
+    """No tokens: the writer and the gather launch nothing and touch nothing."""
+    cache = _poison_u8((2, 16, 132))
+    before = cache.clone()
+    I.indexer_k_quant_and_cache(torch.zeros(0, 128, dtype=KDTYPE, device=DEVICE), cache,
+                                torch.zeros(0, dtype=torch.long, device=DEVICE), 128, "ue8m0")
+    assert torch.equal(cache, before)
+    dk = torch.zeros(0, 128, dtype=FP8, device=DEVICE)
+    ds = torch.zeros(0, 4, dtype=torch.uint8, device=DEVICE)
+    I.cp_gather_indexer_k_quant_cache(cache, dk, ds, torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
+                                      torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    dk3 = _poison_u8((3, 128)).view(FP8)
+    ds3 = _poison_u8((3, 4))
+    b3 = (dk3.view(torch.uint8).clone(), ds3.clone())
+    I.cp_gather_indexer_k_quant_cache(cache, dk3, ds3, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+                                      torch.zeros(1, dtype=torch.int32, device=DEVICE))  # no request
+    assert torch.equal(dk3.view(torch.uint8), b3[0]) and torch.equal(ds3, b3[1])

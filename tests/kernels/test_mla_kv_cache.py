@@ -222,3 +222,66 @@ def test_write_bytes_equal_vllm_kernel(version, fmt, sf, seed):
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "bfloat16"])
 def test_write_gpu_large(fmt, seed):
     _check(fmt, torch.bfloat16, 8192, 160, 64, "cuda", strided=True, k_scale=0.02 if fmt == "fp8" else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Gather + dequantize whole request contexts into a 16-bit workspace
+# --------------------------------------------------------------------------------------------
+
+from kernels.mla_kv_format import dequantize_rows, resolve_kv_format  # noqa: E402
+from kernels.triton_mla_kv_cache import mla_kv_gather_dequant, mla_kv_gather_dequant_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt, kscale_tensor", [("fp8_ds_mla", False), ("fp8", False), ("fp8", True), ("auto", False)])
+def test_gather_dequant_matches_reference(fmt, kscale_tensor, seed):
+    """Two requests of different lengths (one not a block multiple, one spanning blocks of a
+    shuffled table) land at their workspace offsets, bit-identical to the reference; rows outside
+    the requests stay untouched; a zero-length request writes nothing."""
+    dev = DEV
+    dt = torch.bfloat16 if dev == "cuda" else torch.float16  # the interpreter: fp16 (see test_sparse_mla.py)
+    nb, bs = 6, 16
+    ks = 0.05
+    cache = _cache(fmt, nb, bs, dt, dev)
+    n = nb * bs
+    kv_c, k_pe = _inputs(n, dt, dev)
+    mla_kv_cache_write_reference(kv_c, k_pe, cache, torch.arange(n, device=dev), fmt, ks if fmt == "fp8" else None)
+    table = torch.tensor([[4, 1, 0, 0], [2, 5, 3, 0], [0, 0, 0, 0]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([21, 40, 0], dtype=torch.int32, device=dev)
+    starts = torch.tensor([3, 30, 70], dtype=torch.int32, device=dev)
+    k_arg = (torch.tensor([ks], device=dev) if kscale_tensor else ks) if fmt == "fp8" else None
+    ws = torch.full((80, 576), float("nan"), dtype=dt, device=dev)
+    mla_kv_gather_dequant(cache, table, lens, starts, ws, fmt, k_arg, validate=True)
+    ref = torch.full_like(ws, float("nan"))
+    mla_kv_gather_dequant_reference(cache, table, lens, starts, ref, fmt, k_arg)
+    assert torch.equal(ws.isnan(), ref.isnan())
+    assert torch.equal(torch.nan_to_num(ws), torch.nan_to_num(ref))
+    written = torch.zeros(80, dtype=torch.bool)
+    written[3:24] = True
+    written[30:70] = True
+    assert not ws[written.to(dev)].isnan().any() and ws[~written.to(dev)].isnan().all()
+    # token 17 of request 1 = block table[1, 1] = 5, offset 1
+    f = resolve_kv_format(fmt, dt)
+    row = dequantize_rows(cache.view(-1, cache.shape[-1])[5 * bs + 1], f, k_arg, torch.float32)
+    assert torch.equal(ws[30 + 17], row.to(dt))
+
+
+def test_gather_dequant_errors():
+    cache = torch.zeros((2, 16, 656), dtype=torch.uint8)
+    ws = torch.zeros((40, 576), dtype=torch.float16)
+    t = torch.zeros((1, 2), dtype=torch.int32)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="workspace must be"):
+        mla_kv_gather_dequant(cache, t, one, one, ws[:, :512], "fp8_ds_mla")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        mla_kv_gather_dequant(cache, t, one, one, ws.float(), "fp8_ds_mla")
+    with pytest.raises(ValueError, match="block_table"):
+        mla_kv_gather_dequant(cache, t.long(), one, one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_kv_gather_dequant(cache, t, one.long(), one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="rows of 656"):
+        mla_kv_gather_dequant(cache[..., :576], t, one, one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="overflows the workspace"):
+        mla_kv_gather_dequant(cache, t, torch.tensor([20], dtype=torch.int32), torch.tensor([30], dtype=torch.int32),
+                              ws, "fp8_ds_mla", validate=True)
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        mla_kv_gather_dequant(cache, t, torch.tensor([33], dtype=torch.int32), one, ws, "fp8_ds_mla", validate=True)

@@ -257,6 +257,24 @@ def test_emulated_v2_many_tiles(emulated_v2, seed):
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("cfg", list(range(len(v2.TUNING_CONFIGS))))
+def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
+    """Every forced tile configuration (BLOCK_N 16 / 32 / 64) through the emulated kernel body."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 16, 16, 8, 2, 300
+    cache = _cpu_cache(nb, bs, torch.bfloat16, gen)
+    q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}):
+        out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
+                                           config=dict(v2.TUNING_CONFIGS[cfg], **extra))
+        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+        assert rel.max().item() < TOL_HEAD[torch.bfloat16], rel.max()
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: the v2 kernel itself
 # --------------------------------------------------------------------------------------------

@@ -479,3 +479,27 @@ def test_two_concurrent_first_applies_make_one_tree(proj_with_patch):
         t = p.tree("9.9.0")
         assert git(t, "status", "--porcelain") == "" and "value_20 = 'twenty'" in (t / "vllm/model.py").read_text()
         assert not list(t.parent.glob("tree.tmp-*"))
+
+
+def test_a_real_sigkill_at_any_moment_is_recovered(proj_with_patch):
+    """SIGKILL at moments spread over an apply (not at fault points; fractions of the measured time
+    of an uninterrupted apply): the next apply always finishes the job."""
+    p = proj_with_patch
+    (p.root / "kernels" / "triton_a.py").write_text("A = 1\n")
+    t = p.tree("9.9.0")
+    cmd = [sys.executable, str(TOOL), "--project", str(p.root), "--wheel-cache", str(p.cache), "apply"]
+    git(t, "reset", "-q", "--hard", "v9.9.0")
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, capture_output=True)
+    full = time.monotonic() - t0
+    for frac in (0.5, 0.75, 0.9, 0.97):
+        git(t, "reset", "-q", "--hard", "v9.9.0")
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(frac * full)
+        proc.kill()
+        proc.wait()
+        r = p.run("apply", check_rc=0)
+        assert "Traceback" not in r.out
+        assert git(t, "status", "--porcelain") == "" and not (t / JOURNAL).exists(), (frac, r.out)
+        assert "value_20 = 'twenty'" in (t / "vllm/model.py").read_text()
+        assert (t / "vllm/v1/attention/ops/triton_a.py").read_text() == "A = 1\n"

@@ -142,6 +142,7 @@ class Ctx:
         self.venv_arg = g("venv")
         self.out_arg = g("out")
         self.wait = bool(g("wait", False))
+        self.t_start = time.time()
         if self.work and self.checkout:
             raise UsageError("--work and --checkout exclude each other")
 
@@ -168,8 +169,10 @@ def step_fetch(ctx: Ctx, pin) -> Path:
 
     done = getattr(ctx, "_fetched", {})
     if pin.version not in done:
+        t0 = time.time()
         done[pin.version] = fetch(pin, ctx.cache, ctx.dry_run, log)
         ctx._fetched = done
+        ctx.fetch_s = round(time.time() - t0, 1)  # run() fetches before taking the lock: `all` reports this
     return done[pin.version]
 
 
@@ -438,7 +441,7 @@ def run_verb(ctx: Ctx, verb: str, pin) -> int:
         wheel = step_fetch(ctx, pin)
         export_pr(ctx.project, pin, wheel, out, ns.concern, ns.signoff, ns.include_not_needed, ctx.dry_run, log)
         return 0
-    t_start = time.time()
+    t_start = ctx.t_start
     wheel = step_fetch(ctx, pin)
     if verb == "apply":
         step_apply(ctx, pin, wheel)
@@ -463,7 +466,7 @@ def run_verb(ctx: Ctx, verb: str, pin) -> int:
             raise UsageError(f"{v.path} is not a virtual environment: run install first")
         return step_verify(ctx, pin, wheel, tree, load_series(ctx.project.patches_dir(pin)), ctx.project.overlay_files(), build, v, "unknown")
     # all: fetch -> apply -> build -> install -> verify
-    timings = {"fetch_s": round(time.time() - t_start, 1)}
+    timings = {"fetch_s": getattr(ctx, "fetch_s", round(time.time() - t_start, 1))}
     t0 = time.time()
     tree, sim, patches, overlay = step_apply(ctx, pin, wheel)
     timings["apply_s"] = round(time.time() - t0, 1)

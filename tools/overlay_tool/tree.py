@@ -712,8 +712,9 @@ class Tree:
                     f"{j.get('orig_branch') or 'detached HEAD'} at {j['orig_head'][:12]} to {j['branch']} at "
                     f"{j['target'][:12]}, and the tree changed since in ways that apply did not make:\n  {shown}\n"
                     f"nothing was touched (your changes are kept). Either undo those changes, or keep the tree as it "
-                    f"is now (git status / git log there; `git checkout -f {j['orig_head'][:12]}` restores the state "
-                    f"before the apply) and then drop the record: tools/apply.py recover --forget"
+                    f"is now (git status / git log there; once your changes are saved elsewhere, `git checkout -f "
+                    f"{j['orig_head'][:12]}` there gives the state before the apply) and then drop the record: "
+                    f"tools/apply.py recover --forget"
                 )
         lock = self.g.git_dir / "index.lock"
         if lock.exists():

@@ -237,25 +237,30 @@ def run_streaming(cmd: list[str], cwd: Path, env: dict, timeout: float, echo=_ec
     deadline = time.monotonic() + timeout
     buf = bytearray()
     fd = proc.stdout.fileno()
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                proc.kill()
-                proc.wait()
-                proc.stdout.close()
-                return None, buf.decode(errors="replace")
-            if not sel.select(timeout=min(left, 1.0)):
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            if echo is not None:
-                echo(chunk)
-            buf += chunk
-            if len(buf) > 2 * keep:
-                del buf[:-keep]
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    proc.kill()
+                    proc.wait()
+                    proc.stdout.close()
+                    return None, buf.decode(errors="replace")
+                if not sel.select(timeout=min(left, 1.0)):
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                if echo is not None:
+                    echo(chunk)
+                buf += chunk
+                if len(buf) > 2 * keep:
+                    del buf[:-keep]
+    except BaseException:  # Ctrl-C / SIGTERM: end pytest with the tool
+        proc.kill()
+        proc.wait()
+        raise
     proc.stdout.close()
     return proc.wait(), bytes(buf[-keep:]).decode(errors="replace")
 
