@@ -541,6 +541,10 @@ def sparse_mla_decode_v2(
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
     if T == 0:
         return out, lse
+    if topk == 0:  # every row empty (no kernel: an empty indices tensor may have no storage)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
 
     major, _, num_sms = _device_props(q.device)
     cfg = dict(pick_config_v2(H, major, T))
