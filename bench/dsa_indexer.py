@@ -43,6 +43,7 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "kernels"))
+sys.path.insert(0, ROOT)  # bench.common
 
 import torch  # noqa: E402
 
@@ -196,57 +197,10 @@ def build_inputs(sh: Shape, max_sets: int, seed=0):
 # ------------------------------------------------------------------------------------------------
 
 
-TIMING = {"target_ms": 15.0, "rounds": 5}
-
-
-def time_graph(step, n_iter: int, target_ms: float | None = None, rounds: int | None = None):
-    """step(i) enqueues iteration i. Captures n_iter iterations in one CUDA graph; returns the
-    median per-iteration time in microseconds over ``rounds`` rounds of replays."""
-    target_ms = TIMING["target_ms"] if target_ms is None else target_ms
-    rounds = TIMING["rounds"] if rounds is None else rounds
-    step(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_iter):
-            step(i)
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(200, int(target_ms / 1e3 / one)))
-    res = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / (reps * n_iter))
-    del g
-    return statistics.median(res), (max(res) - min(res)) / statistics.median(res)
-
-
-def copy_bandwidth():
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            y.copy_(x)
-        b.record()
-        b.synchronize()
-        res.append(2 * x.numel() * 5 / (a.elapsed_time(b) * 1e-3))
-    del x, y
-    torch.cuda.empty_cache()
-    return statistics.median(res)
+# time_graph(step, n_iter) and copy_bandwidth() live in bench/common.py (shared with
+# bench/sparse_mla_decode.py); TIMING is common's dict, updated by main().
+from bench.common import TIMING, copy_bandwidth  # noqa: E402
+from bench.common import time_graph_steps as time_graph  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------

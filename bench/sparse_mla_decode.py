@@ -1,36 +1,53 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Benchmark: Triton sparse MLA decode over an FP8 KV cache vs FlashMLA, a naive path and the floor.
+"""Benchmark: Triton sparse MLA decode (and prefill) over an FP8 KV cache vs FlashMLA, a pure gather
+of the same rows, a naive path and the floor.
 
 Run on one GPU (H200 for the published numbers)::
 
-    python bench/sparse_mla_decode.py                      # full benchmark (GLM-5 shapes)
+    python bench/sparse_mla_decode.py --prepare-peers      # CPU: stage FlashMLA + writer cubins in .peers/
+    python bench/sparse_mla_decode.py --time-budget 540    # decode benchmark -> sparse_decode_h200.json
+    python bench/sparse_mla_decode.py --prefill            # prefill case -> sparse_prefill_h200.json
+    DISABLE_MMA_V3=1 python bench/sparse_mla_decode.py --sm120-proxy   # SM120 proxy records (merged)
     python bench/sparse_mla_decode.py --sweep              # tile-config sweep (tuning)
-    python bench/sparse_mla_decode.py --prepare-peers      # CPU: stage FlashMLA + vLLM writer cubins
 
-What it measures, per shape (heads H, query rows T, topk 2048, KV format ``fp8_ds_mla`` 656 B and
-``fp8`` 576 B), side by side in one process, over a paged KV pool of >= 256k tokens (several times
-the L2), indices random within each request's context (each query row is its own request with its
-own random block table):
+Decode, per shape (heads H, query rows T, topk 2048, KV formats ``fp8_ds_mla`` 656 B, ``fp8``
+576 B, ``bfloat16`` 1152 B), side by side in one process over a paged KV pool of 256k tokens
+(several times the L2), indices random within each query row's own context:
 
-1. this kernel (``kernels/triton_sparse_mla.sparse_mla_decode``);
-2. FlashMLA's sparse FP8 decode from the vLLM 0.26.0 wheel (``_flashmla_C`` + its
-   ``flash_mla_interface.py``, staged under the git-ignored ``.peers/flashmla/`` by
-   ``--prepare-peers`` from the cached wheel), heads zero-padded to 64/128 and the output sliced
-   back exactly as vLLM's ``FlashMLASparseImpl._fp8_flash_mla_kernel`` does (the padding is
-   timed); fp8_ds_mla only;
-3. the naive path: gather the selected rows, dequantize to bf16, attention in PyTorch;
-4. the floor: bytes that must move (selected KV rows once + q + indices + out + lse) over the
-   device-to-device copy bandwidth measured in the same run (bytes read + written / time).
+1. this kernel (``kernels/triton_sparse_mla.sparse_mla_decode``), CUDA-graph replay (``us``) and
+   ``host_us``: the median wall time of one eager call over 1,000 calls (outputs allocated by the
+   call, as the backend calls it);
+2. ``gather_us``: a Triton kernel that only reads the same KV rows (same indices, same pool) and
+   folds them into a checksum -- the memory-side limit of this access pattern, best of a few tile
+   shapes; ``kernel_over_gather = us / gather_us``;
+3. FlashMLA's sparse FP8 decode from the pinned vLLM wheel (staged in ``.peers/<pin>/``), fp8_ds_mla
+   only, twice: as vLLM's ``FlashMLASparseImpl`` calls it (q zero-padded to 64/128 heads by a slice
+   copy, output sliced back: ``flashmla_us``, ``ratio_vs_flashmla``) and the kernel alone at
+   the padded head count (``flashmla_kernel_us``, ``ratio_vs_flashmla_kernel``);
+4. the naive path (gather, dequantize to bf16, attention in PyTorch), unless ``--no-naive``;
+5. the floor: bytes that must move over the copy bandwidth measured in the same run.
 
-Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays that rotate through
-enough independent input sets (indices, q, out) to move > 2x the L2 per replay round, so neither
-the KV rows nor the indices are L2-resident between calls (``us``, ``flashmla_us``, ``naive_us``);
-eager (no graph) medians are kept too (``*_eager_us``) and show the Python launch overhead.
-Every record is also checked against the float64 reference (``rel_err``).
+Prefill (``--prefill``): one request, contexts 8k and 32k, a chunk of 8,192 query rows (the last
+8,192 positions), each row's top-k causal within the request, H = 8 and 64, against what vLLM's
+FLASHMLA_SPARSE does for that prefill at that head count: below 32 heads its FP8 decode kernel over
+all rows (heads padded to 64); from 32 heads the request's context upconverted into a bf16
+workspace (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` when its ``_C`` came along in
+``.peers-carry/`` -- ``python3 e2e/gpu_tests.py --prepare`` -- else a PyTorch equivalent,
+recorded) and
+``flash_mla_sparse_fwd`` over it, heads padded to the prefill kernel's multiple (64 on SM90, 128 on
+SM100, read from the 0.26.0 source). Eager calls timed with CUDA events.
 
-Writes ``bench/results/sparse_decode_h200.json`` (records + command + device + copy bandwidth),
-``.png`` (plot) and ``.md`` (table) unless ``--out-dir`` says otherwise.
+Also timed: ``workspace_us``, the prefill workspace design's first measurable form (the request's
+context dequantized once by ``mla_kv_gather_dequant`` into a bf16 workspace, then this kernel over
+it in the ``bfloat16`` format with request positions as indices).
+
+Every record is checked against the float64 reference (``rel_err``; prefill on a sample of rows)
+and carries the command that produced it; ``--time-budget S`` stops starting shapes so results are
+written within S seconds (``incomplete`` lists what was skipped). ``--sm120-proxy`` needs
+``DISABLE_MMA_V3=1`` (SM90 compiles tl.dot to mma.sync like SM120), forces the SM120 dispatch
+(``GLM5_SPARSE_MLA_DISPATCH_CC=12``), marks its records ``"sm120_proxy": true`` and merges them
+into the results file, keeping the other records.
 """
 
 from __future__ import annotations
@@ -49,41 +66,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PEERS = ROOT / ".peers"
-WHEEL_DIR = Path(os.environ.get("GLM5_WHEEL_DIR", "/root/.cache/glm5-overlay/wheels"))
-WHEELS = {"0.26.0": "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-          "0.33.0": "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"}
+from bench import common  # noqa: E402
+
+PEERS = common.PEERS
 TOPK = 2048
 BLOCK_SIZE = 64
-POOL_TOKENS = 262144  # 256k tokens: 172 MB at 656 B/token, 151 MB at 576 B/token
+POOL_TOKENS = 262144  # 256k tokens: 172 MB at 656 B/token, 151 MB at 576, 302 MB at 1152
 SOFTMAX_SCALE = 256 ** -0.5  # GLM-5: qk_head_dim 256
+ROW_BYTES = {"fp8_ds_mla": 656, "fp8": 576, "bfloat16": 1152}
+DECODE_STEM = "sparse_decode_h200"
+PREFILL_STEM = "sparse_prefill_h200"
+PREFILL_CHUNK = 8192
+MIN_HEADS_FOR_BF16_PREFILL = 32  # vLLM 0.26.0 flashmla_sparse.py
 
 
 # ------------------------------------------------------------------------------------------
-# Peers (CPU side): stage FlashMLA and vLLM's cache-writer cubins from the cached wheels
+# Peers (CPU side): FlashMLA (+ optionally vLLM's _C) and the writer cubins from the cached wheels
 # ------------------------------------------------------------------------------------------
 
-def prepare_peers() -> None:
-    """Extract FlashMLA (0.26.0) and the sm_90 cubins holding vLLM's MLA cache writers (0.26.0,
-    0.33.0) into the git-ignored .peers/ folder. Needs the cached wheels and Triton's cuobjdump."""
-    fm = PEERS / "flashmla" / "vllm"
-    (fm / "third_party" / "flashmla").mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(WHEEL_DIR / WHEELS["0.26.0"]) as z:
-        (fm / "_flashmla_C.abi3.so").write_bytes(z.read("vllm/_flashmla_C.abi3.so"))
-        (fm / "third_party" / "flashmla" / "flash_mla_interface.py").write_bytes(
-            z.read("vllm/third_party/flashmla/flash_mla_interface.py"))
-    for f in (fm / "__init__.py", fm / "third_party" / "__init__.py", fm / "third_party" / "flashmla" / "__init__.py"):
-        f.write_text("# staged by bench/sparse_mla_decode.py --prepare-peers (not part of the project)\n")
+def prepare_peers() -> int:
+    """Stage FlashMLA of the default pin into .peers/<pin>/ and the sm_90 cubins holding vLLM's MLA cache writers of every pin into .peers/vllm_cubins/
+    (for tests/kernels/test_mla_kv_cache.py). Returns the bytes under .peers/."""
+    import tomllib
+
+    common.stage_members(common.FLASHMLA_MEMBERS)
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     out = PEERS / "vllm_cubins"
     out.mkdir(parents=True, exist_ok=True)
-    for ver, whl in WHEELS.items():
+    with open(ROOT / "pins.lock", "rb") as f:
+        pins = list(tomllib.load(f)["pins"])
+    for ver in pins:
+        _, whl = common.pin_wheel(ver)
+        if not whl.exists():
+            print(f"  vLLM {ver} wheel not cached: its writer cubin is not staged")
+            continue
         tmp = PEERS / f"_tmp_{ver}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with zipfile.ZipFile(WHEEL_DIR / whl) as z:
+        with zipfile.ZipFile(whl) as z:
             (tmp / "C.so").write_bytes(z.read("vllm/_C_stable_libtorch.abi3.so"))
         subprocess.run([str(cuobjdump), "-xelf", "all", "C.so"], cwd=tmp, check=True, capture_output=True)
         found = None
@@ -95,25 +117,9 @@ def prepare_peers() -> None:
             raise RuntimeError(f"no sm_90 cubin with concat_and_cache_ds_mla_kernel in {whl}")
         shutil.copy(found, out / f"cache_kernels_sm90_{ver}.cubin")
         shutil.rmtree(tmp)
-    print(f"staged FlashMLA in {fm} and writer cubins in {out}")
-
-
-def load_flashmla():
-    """Import FlashMLA's interface from .peers/flashmla (staging it from the wheel if possible)."""
-    base = PEERS / "flashmla"
-    if not (base / "vllm" / "_flashmla_C.abi3.so").exists():
-        if (WHEEL_DIR / WHEELS["0.26.0"]).exists():
-            prepare_peers()
-        else:
-            return None, "FlashMLA not staged (.peers/flashmla) and the 0.26.0 wheel is not cached"
-    sys.path.insert(0, str(base))
-    try:
-        from vllm.third_party.flashmla import flash_mla_interface as fmi  # noqa: E402
-    except Exception as e:  # pragma: no cover - depends on the device image
-        return None, f"FlashMLA import failed: {type(e).__name__}: {e}"
-    finally:
-        sys.path.remove(str(base))
-    return fmi, None
+    n = common.peers_bytes()
+    print(f"staged peers in {PEERS}: {n / 2**20:.1f} MiB")
+    return n
 
 
 # ------------------------------------------------------------------------------------------
@@ -123,15 +129,14 @@ def load_flashmla():
 def make_pool(fmt: str, device, dtype, seed: int = 0):
     """A paged KV pool of POOL_TOKENS tokens written by our cache writer from random latents."""
     import torch
+    from kernels.mla_kv_format import resolve_kv_format
     from kernels.triton_mla_kv_cache import mla_kv_cache_write
 
     g = torch.Generator(device=device).manual_seed(seed)
     nb = POOL_TOKENS // BLOCK_SIZE
-    width = 656 if fmt == "fp8_ds_mla" else 576
-    cache = torch.empty((nb, BLOCK_SIZE, width), dtype=torch.uint8, device=device)
-    k_scale = None
-    if fmt == "fp8":
-        k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
+    f = resolve_kv_format(fmt, dtype)
+    cache = torch.empty((nb, BLOCK_SIZE, f.row_elems), dtype=f.storage_dtype, device=device)
+    k_scale = torch.tensor([0.02], dtype=torch.float32, device=device) if fmt == "fp8" else None
     chunk = 65536
     for s0 in range(0, POOL_TOKENS, chunk):
         kv_c = torch.randn((chunk, 512), generator=g, device=device, dtype=torch.float32)
@@ -166,80 +171,107 @@ def make_index_sets(T: int, n_sets: int, device, seed: int):
 
 
 # ------------------------------------------------------------------------------------------
-# Timing helpers
+# Pure gather of the same rows (the memory-side roofline of this access pattern)
 # ------------------------------------------------------------------------------------------
 
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+_GATHER = None
+
+
+def _gather_kernel():
+    global _GATHER
+    if _GATHER is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def gather_rows(pool, idx, out, topk, stride_it, ROW_WORDS: tl.constexpr, W: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+            """Program (t, s): read rows idx[t, s-th share] of the pool (ROW_WORDS int32 each) and
+            store their column-wise checksum (so no load can be dropped)."""
+            t = tl.program_id(0)
+            s = tl.program_id(1)
+            per = tl.cdiv(topk, SPLITS)
+            lo = s * per
+            hi = tl.minimum(lo + per, topk)
+            cols = tl.arange(0, W)
+            acc = tl.zeros([W], dtype=tl.int32)
+            for n in range(lo, hi, BLOCK_N):
+                rn = n + tl.arange(0, BLOCK_N)
+                m = rn < hi
+                r = tl.load(idx + t.to(tl.int64) * stride_it + rn, mask=m, other=-1)
+                ok = m & (r >= 0)
+                x = tl.load(pool + r.to(tl.int64)[:, None] * ROW_WORDS + cols[None, :],
+                            mask=ok[:, None] & (cols[None, :] < ROW_WORDS), other=0)
+                acc += tl.sum(x, 0)
+            tl.store(out + (t * SPLITS + s) * W + cols, acc)
+
+        _GATHER = gather_rows
+    return _GATHER
+
+
+GATHER_CONFIGS = [(16, 4, 8), (32, 4, 8), (32, 8, 4), (64, 8, 4), (16, 8, 16)]  # BLOCK_N, warps, waves
+
+
+def gather_fn(pool_words, idx, num_sms: int, block_n: int, warps: int, waves: int):
+    """One launch reading every row ``idx`` selects from ``pool_words`` ([slots, row_words] int32)."""
     import torch
     import triton
 
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
-    return 2 * n / (ms * 1e-3)
+    T, topk = idx.shape
+    row_words = pool_words.shape[1]
+    W = triton.next_power_of_2(row_words)
+    splits = max(1, min(256, triton.cdiv(waves * num_sms, T), triton.cdiv(topk, block_n)))
+    out = torch.empty(T * splits * W, dtype=torch.int32, device=idx.device)
+    k = _gather_kernel()
 
-
-def time_graph(fns, rep_ms: int = 60) -> float:
-    """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once."""
-    import torch
-    import triton
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm up (compiles, FlashMLA metadata) outside capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=20, rep=rep_ms, return_mode="median")
-    del g
-    return ms * 1e3 / len(fns)
-
-
-def time_eager(fns, rep_ms: int = 60) -> float:
-    import triton
-
-    state = {"i": 0}
-
-    def call():
-        fns[state["i"] % len(fns)]()
-        state["i"] += 1
-
-    ms = triton.testing.do_bench(call, warmup=20, rep=rep_ms, return_mode="median")
-    return ms * 1e3
+    def f():
+        k[(T, splits)](pool_words, idx, out, topk, idx.stride(0), ROW_WORDS=row_words, W=W, BLOCK_N=block_n,
+                       SPLITS=splits, num_warps=warps)
+    f.out, f.W = out, W  # the checksums (tests read them)
+    return f
 
 
 # ------------------------------------------------------------------------------------------
 # Implementations under test
 # ------------------------------------------------------------------------------------------
 
-def ours_fn(q, cache, idx, fmt, k_scale, out, lse, config=None, num_splits=None):
+def ours_fn(q, cache, idx, fmt, k_scale, out=None, lse=None, config=None, num_splits=None):
     from kernels.triton_sparse_mla import sparse_mla_decode
 
     def f():
-        sparse_mla_decode(q, cache, idx, SOFTMAX_SCALE, fmt, k_scale, out=out, lse=lse,
-                          num_splits=num_splits, config=config)
+        return sparse_mla_decode(q, cache, idx, SOFTMAX_SCALE, fmt, k_scale, out=out, lse=lse,
+                                 num_splits=num_splits, config=config)
     return f
 
 
-def flashmla_fn(fmi, q, cache, idx, sched):
-    """vLLM 0.26.0 FlashMLASparseImpl._fp8_flash_mla_kernel for a pure decode batch (one token per
-    request): q [T, H, 576] -> [T, 1, Hpad, 576] zero-padded, indices [T, 1, topk]."""
+def flashmla_padded_heads(H: int) -> int:
+    """vLLM 0.26.0 FlashMLASparseImpl._compute_fp8_decode_padded_heads."""
+    return 64 if H <= 64 else 128
+
+
+def flashmla_fn(fmi, q, cache, idx, sched, as_vllm: bool = True):
+    """FlashMLA's sparse FP8 decode, one query row per request: q [T, H, 576] -> [T, 1, Hpad, 576].
+
+    ``as_vllm``: exactly what vLLM 0.26.0's FlashMLASparseImpl does per call (a zero-padded q and
+    a slice copy of q into it, the kernel, the output sliced back to H heads and viewed as
+    [T, H, 512] by reshape_attn_output_for_spec_decode: no copy).
+    Otherwise the kernel alone on a q padded once outside (its output left padded)."""
+    T, H, D = q.shape
+    hp = flashmla_padded_heads(H)
     import torch
 
-    T, H, D = q.shape
-    hp = 64 if H <= 64 else 128
     kc = cache.view(torch.uint8).unsqueeze(-2)
     ind = idx.view(T, 1, -1)
+    q_pre = q.new_zeros((T, 1, hp, D))
+    q_pre[:, :, :H, :] = q.view(T, 1, H, D)
+
+    def kernel(qq):
+        return fmi.flash_mla_with_kvcache(q=qq, k_cache=kc, block_table=None, cache_seqlens=None, head_dim_v=512,
+                                          tile_scheduler_metadata=sched, is_fp8_kvcache=True, indices=ind,
+                                          softmax_scale=SOFTMAX_SCALE)
+
+    if not as_vllm:
+        return lambda: kernel(q_pre)
 
     def f():
         qq = q.view(T, 1, H, D)
@@ -247,127 +279,283 @@ def flashmla_fn(fmi, q, cache, idx, sched):
             qp = qq.new_zeros((T, 1, hp, D))
             qp[:, :, :H, :] = qq
             qq = qp
-        o, lse = fmi.flash_mla_with_kvcache(q=qq, k_cache=kc, block_table=None, cache_seqlens=None, head_dim_v=512,
-                                            tile_scheduler_metadata=sched, is_fp8_kvcache=True, indices=ind,
-                                            softmax_scale=SOFTMAX_SCALE)
+        o, lse = kernel(qq)
         if H < hp:
             o = o[:, :, :H, :]
-        return o, lse
+        return o.view(T, H, 512), lse
     return f
 
 
 def naive_fn(q, cache, idx, fmt, k_scale):
     """Gather selected rows, dequantize to bf16, attention in PyTorch (no Triton)."""
     import torch
+    from kernels.mla_kv_format import dequantize_rows, resolve_kv_format
 
     nb, bs, w = cache.shape
     flat = cache.view(nb * bs, w)
+    f = resolve_kv_format(fmt, q.dtype)
 
-    def f():
+    def fn():
         rows = flat[idx.long().clamp_min(0)]  # [T, topk, W]
-        if fmt == "fp8_ds_mla":
-            lat = rows[..., :512].view(torch.float8_e4m3fn).to(torch.bfloat16)
-            sc = rows[..., 512:528].view(torch.float32).to(torch.bfloat16)
-            lat = (lat.unflatten(-1, (4, 128)) * sc.unsqueeze(-1)).flatten(-2)
-            k = torch.cat([lat, rows[..., 528:].view(torch.bfloat16)], dim=-1)
-        else:
-            k = (rows.view(torch.float8_e4m3fn).to(torch.float32) * k_scale).to(torch.bfloat16)
+        k = dequantize_rows(rows, f, k_scale, torch.float32).to(torch.bfloat16)
         s = torch.einsum("thd,tkd->thk", q, k).float() * SOFTMAX_SCALE
         s = s.masked_fill((idx < 0)[:, None, :], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[..., None]).to(torch.bfloat16)
         return torch.einsum("thk,tkd->thd", p, k[..., :512]), lse
-    return f
+    return fn
 
 
 # ------------------------------------------------------------------------------------------
-# One shape
+# Accounting (pure Python)
 # ------------------------------------------------------------------------------------------
 
-def bytes_moved(H: int, T: int, fmt: str) -> int:
-    row = 656 if fmt == "fp8_ds_mla" else 576
-    return T * TOPK * row + T * TOPK * 4 + T * H * 576 * 2 + T * H * 512 * 2 + T * H * 4
+def bytes_moved(H: int, T: int, fmt: str, topk: int = TOPK) -> int:
+    """Bytes a decode call must move: the selected KV rows once, the indices, q, out and lse."""
+    return T * topk * ROW_BYTES[fmt] + T * topk * 4 + T * H * 576 * 2 + T * H * 512 * 2 + T * H * 4
+
+
+def gather_bytes(T: int, fmt: str, topk: int = TOPK) -> int:
+    """Bytes the pure gather reads: the same rows and the indices."""
+    return T * topk * (ROW_BYTES[fmt] + 4)
 
 
 def n_sets_for(H: int, T: int, fmt: str, l2_bytes: int) -> int:
     return max(2, min(64, math.ceil(3 * l2_bytes / bytes_moved(H, T, fmt))))
 
 
-def rel_err(a, ref):
-    import torch
+def derive(rec: dict, copy_bw: float) -> dict:
+    """The ratios and rates of a decode record from its measured times (fills keys in place)."""
+    H, T, fmt = rec["heads"], rec["tokens"], rec["kv_format"]
+    nbytes = bytes_moved(H, T, fmt, rec.get("topk", TOPK))
+    rec["bytes"] = nbytes
+    rec["floor_us"] = nbytes / copy_bw * 1e6
+    us = rec["us"]
+    rec["achieved_GBps"] = nbytes / (us * 1e-6) / 1e9
+    rec["pct_copy_bw"] = 100.0 * rec["floor_us"] / us
+    rec["tflops"] = 2.0 * T * H * rec.get("topk", TOPK) * (576 + 512) / (us * 1e-6) / 1e12
+    rec["kernel_over_gather"] = common.ratio(us, rec.get("gather_us"))
+    if rec.get("gather_us"):
+        rec["gather_pct_copy_bw"] = 100.0 * gather_bytes(T, fmt, rec.get("topk", TOPK)) / copy_bw * 1e6 / rec["gather_us"]
+    rec["ratio_vs_flashmla"] = common.ratio(us, rec.get("flashmla_us"))
+    rec["ratio_vs_flashmla_kernel"] = common.ratio(us, rec.get("flashmla_kernel_us"))
+    return rec
 
+
+def rel_err(a, ref):
     return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-_REF_CACHE: dict = {}
+# ------------------------------------------------------------------------------------------
+# One decode shape
+# ------------------------------------------------------------------------------------------
 
-
-def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_splits=None, peers=True, device="cuda"):
+def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_splits=None, peers=True,
+              device="cuda"):
     import torch
-    from kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_decode_reference, _pick_config, _pick_num_splits
+    from kernels.triton_sparse_mla import _make_plan, sparse_mla_decode_reference
 
     cache, k_scale = pools[fmt]
     n_sets = n_sets_for(H, T, fmt, l2_bytes)
     seed = (H * 1000003 + T * 1009 + len(fmt)) % 100000
     idx_sets = make_index_sets(T, n_sets, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    qs = [torch.randn((T, H, 576), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16) for _ in range(n_sets)]
+    qs = [torch.randn((T, H, 576), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+          for _ in range(n_sets)]
     outs = [torch.empty((T, H, 512), device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
     lses = [torch.empty((T, H), device=device, dtype=torch.float32) for _ in range(n_sets)]
     rec = {"heads": H, "topk": TOPK, "tokens": T, "kv_format": fmt, "n_input_sets": n_sets}
 
-    # correctness of ours on set 0 (poisoned output first)
     outs[0].fill_(float("nan"))
     lses[0].fill_(float("nan"))
     ours = [ours_fn(qs[i], cache, idx_sets[i], fmt, k_scale, outs[i], lses[i], config, num_splits) for i in range(n_sets)]
     ours[0]()
-    key = (H, T, fmt)
-    if key not in _REF_CACHE:
-        _REF_CACHE.clear()
-        _REF_CACHE[key] = sparse_mla_decode_reference(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, k_scale)
-    ro, rl = _REF_CACHE[key]
+    ro, rl = sparse_mla_decode_reference(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, k_scale)
     rec["rel_err"] = rel_err(outs[0], ro)
+    rec["head_rel_err_max"] = float(((outs[0].double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)).max())
     rec["lse_max_abs_err"] = float((lses[0].double() - rl).abs().max())
     rec["nan"] = bool(torch.isnan(outs[0]).any() or torch.isnan(lses[0]).any())
-    cfg = dict(_pick_config(H, torch.cuda.get_device_capability()[0], T))
-    if config:
-        cfg.update(config)
-    props = torch.cuda.get_device_properties(device)
-    ns = num_splits or _pick_num_splits(T, -(-H // cfg["BLOCK_H"]), TOPK, cfg["BLOCK_N"], props.multi_processor_count,
-                                        cfg.get("WAVES", 1))
-    rec["config"] = cfg
-    rec["num_splits"] = ns
+    plan = _make_plan(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, k_scale, outs[0], lses[0], num_splits, config)
+    rec["config"] = {k: plan.meta[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "PREFETCH", "DS_FOLD")}
+    rec["num_splits"] = plan.tail[-2]
+    rec["dispatch_cc"] = os.environ.get("GLM5_SPARSE_MLA_DISPATCH_CC") or "device"
 
-    rec["us"] = time_graph(ours, args.rep)
-    if args.eager:
-        rec["us_eager"] = time_eager(ours, args.rep)
-    nbytes = bytes_moved(H, T, fmt)
-    rec["bytes"] = nbytes
-    rec["floor_us"] = nbytes / copy_bw * 1e6
-    rec["achieved_GBps"] = nbytes / (rec["us"] * 1e-6) / 1e9
-    rec["pct_copy_bw"] = 100.0 * rec["floor_us"] / rec["us"]
-    rec["tflops"] = 2.0 * T * H * TOPK * (576 + 512) / (rec["us"] * 1e-6) / 1e12
+    rec["us"] = common.time_graph(ours, args.rep)
+    # host cost per eager call as the backend makes it (outputs allocated by the call)
+    rec["host_us"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
+                                            num_splits=num_splits), calls=args.host_calls)
+    words = cache.view(torch.int32).reshape(-1, ROW_BYTES[fmt] // 4)  # contiguous pool: row = slot
+    nsm = torch.cuda.get_device_properties(device).multi_processor_count
+    best = None
+    for bn, w, waves in GATHER_CONFIGS:
+        us = common.time_graph([gather_fn(words, idx_sets[i], nsm, bn, w, waves) for i in range(n_sets)], args.rep)
+        if best is None or us < best[0]:
+            best = (us, {"BLOCK_N": bn, "num_warps": w, "waves": waves})
+    rec["gather_us"], rec["gather_config"] = best
 
-    rec["flashmla_us"] = None
-    rec["ratio_vs_flashmla"] = None
     if peers and fmi is not None and fmt == "fp8_ds_mla":
         sched, _ = fmi.get_mla_metadata()
         fms = [flashmla_fn(fmi, qs[i], cache, idx_sets[i], sched) for i in range(n_sets)]
         o_fm, lse_fm = fms[0]()
-        rec["flashmla_rel_err"] = rel_err(o_fm.reshape(T, H, 512), ro)
-        # FlashMLA lse: [b, h_q(padded), s_q]; natural log (checked here against ours)
+        rec["flashmla_rel_err"] = rel_err(o_fm, ro)
         lfm = lse_fm[:, :H, 0] if lse_fm.dim() == 3 else lse_fm
         rec["flashmla_lse_vs_ref_max_abs"] = float((lfm.double() - rl).abs().max())
-        rec["flashmla_us"] = time_graph(fms, args.rep)
-        if args.eager:
-            rec["flashmla_eager_us"] = time_eager(fms, args.rep)
-        rec["ratio_vs_flashmla"] = rec["us"] / rec["flashmla_us"]
+        rec["flashmla_us"] = common.time_graph(fms, args.rep)
+        sched2, _ = fmi.get_mla_metadata()
+        fk = [flashmla_fn(fmi, qs[i], cache, idx_sets[i], sched2, as_vllm=False) for i in range(n_sets)]
+        rec["flashmla_kernel_us"] = common.time_graph(fk, args.rep)
+        rec["flashmla_padded_heads"] = flashmla_padded_heads(H)
     if peers and not args.no_naive:
         nv = [naive_fn(qs[i], cache, idx_sets[i], fmt, k_scale) for i in range(min(n_sets, 4))]
         o_nv, _ = nv[0]()
         rec["naive_rel_err"] = rel_err(o_nv, ro)
-        rec["naive_us"] = time_graph(nv, args.rep)
+        rec["naive_us"] = common.time_graph(nv, args.rep)
     del qs, outs, lses, idx_sets
+    return derive(rec, copy_bw)
+
+
+# ------------------------------------------------------------------------------------------
+# Prefill: one request, a chunk of query rows with causal top-k inside the request
+# ------------------------------------------------------------------------------------------
+
+def prefill_inputs(ctx: int, H: int, device, seed: int, chunk: int = PREFILL_CHUNK):
+    """q [chunk, H, 576] for the last ``chunk`` positions of a ``ctx``-token request whose blocks
+    sit at random places of the pool; per row the top-k positions (causal: <= the row's position;
+    all of them when fewer than TOPK, the rest -1), as request positions and as pool slots."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    nb = POOL_TOKENS // BLOCK_SIZE
+    nblk = ctx // BLOCK_SIZE
+    table = torch.randperm(nb, generator=g, device=device)[:nblk].to(torch.int32)
+    q = torch.randn((chunk, H, 576), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    pos0 = ctx - chunk
+    positions = torch.full((chunk, TOPK), -1, dtype=torch.int32, device=device)
+    for r0 in range(0, chunk, 512):
+        r1 = min(chunk, r0 + 512)
+        p = pos0 + torch.arange(r0, r1, device=device)  # each row's own position
+        keys = torch.rand((r1 - r0, ctx), generator=g, device=device)
+        keys = keys.masked_fill(torch.arange(ctx, device=device)[None, :] > p[:, None], 2.0)  # future: last
+        sel = keys.argsort(dim=1)[:, :TOPK]
+        ok = sel <= p[:, None]
+        positions[r0:r1] = torch.where(ok, sel, -1).to(torch.int32)
+    lengths = (positions >= 0).sum(dim=1).to(torch.int32)
+    # valid entries first (argsort put past positions before the masked future ones)
+    tl_ = table.long()
+    slots = torch.where(positions >= 0, tl_[positions.clamp_min(0).long() // BLOCK_SIZE] * BLOCK_SIZE
+                        + positions.clamp_min(0).long() % BLOCK_SIZE, -1).to(torch.int32)
+    return q, table, positions, slots, lengths
+
+
+def upconvert_torch(cache, table, ctx: int):
+    """PyTorch equivalent of vLLM's cp_gather_and_upconvert_fp8_kv_cache for one request:
+    the request's ``ctx`` tokens of an fp8_ds_mla cache -> bf16 [ctx, 576] workspace."""
+    import torch
+    from kernels.mla_kv_format import dequantize_rows, resolve_kv_format
+
+    rows = cache[table.long()].reshape(-1, cache.shape[-1])[:ctx]
+    return dequantize_rows(rows, resolve_kv_format("fp8_ds_mla", torch.bfloat16), None, torch.float32).to(torch.bfloat16)
+
+
+def flashmla_prefill_fns(fmi, vllm_c: bool, q, cache, table, positions, slots, lengths, ctx: int, cc_major: int):
+    """What FLASHMLA_SPARSE (vLLM 0.26.0) runs for this prefill chunk, as a list of steps
+    (name, fn); the full call is all steps in order."""
+    import torch
+
+    T, H, D = q.shape
+    if H < MIN_HEADS_FOR_BF16_PREFILL:
+        hp = flashmla_padded_heads(H)
+        sched, _ = fmi.get_mla_metadata()
+        kc = cache.view(torch.uint8).unsqueeze(-2)
+        ind = slots.view(1, T, -1)
+
+        def mixed():
+            qq = q.unsqueeze(0)
+            if H < hp:
+                qp = qq.new_zeros((1, T, hp, D))
+                qp[:, :, :H, :] = qq
+                qq = qp
+            o, _ = fmi.flash_mla_with_kvcache(q=qq, k_cache=kc, block_table=None, cache_seqlens=None, head_dim_v=512,
+                                              tile_scheduler_metadata=sched, is_fp8_kvcache=True, indices=ind,
+                                              softmax_scale=SOFTMAX_SCALE)
+            return o[:, :, :H, :].squeeze(0)
+        return [("fp8_decode_kernel_mixed_batch", mixed)], f"FP8 decode kernel, heads padded to {hp}"
+    pad = 128 if cc_major == 10 else 64
+    ws = torch.empty((ctx, 576), dtype=torch.bfloat16, device=q.device)
+    starts = torch.zeros(1, dtype=torch.int32, device=q.device)
+    bt = table.view(1, -1)
+
+    if vllm_c:
+        def upconvert():
+            torch.ops._C_cache_ops.cp_gather_and_upconvert_fp8_kv_cache(cache, ws, bt, starts, 1, None)
+        how = "vLLM _C cp_gather_and_upconvert_fp8_kv_cache"
+    else:
+        def upconvert():
+            ws.copy_(upconvert_torch(cache, table, ctx))
+        how = "PyTorch equivalent of cp_gather_and_upconvert_fp8_kv_cache (vLLM _C not staged)"
+    ind = positions.view(T, 1, -1)
+
+    def attn():
+        qq = q
+        if H % pad:
+            qp = q.new_empty((T, pad, D))
+            qp[:, :H, :] = q
+            qq = qp
+        o = fmi.flash_mla_sparse_fwd(qq, ws.view(-1, 1, 576), ind, SOFTMAX_SCALE, topk_length=lengths)[0]
+        return o[:, :H, :]
+    return [("upconvert", upconvert), ("flash_mla_sparse_fwd", attn)], (
+        f"bf16 workspace ({how}) + flash_mla_sparse_fwd, heads padded to a multiple of {pad}")
+
+
+def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
+    import torch
+    from kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+
+    cache, _ = pools["fp8_ds_mla"]
+    seed = ctx * 131 + H
+    q, table, positions, slots, lengths = prefill_inputs(ctx, H, device, seed)
+    rec = {"context": ctx, "heads": H, "tokens": q.shape[0], "topk": TOPK, "kv_format": "fp8_ds_mla"}
+    out = sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")[0]
+    sample = torch.linspace(0, q.shape[0] - 1, 64, device=device).long()
+    ro, _ = sparse_mla_decode_reference(q[sample], cache, slots[sample], SOFTMAX_SCALE, "fp8_ds_mla")
+    rec["rel_err_sampled_rows"] = rel_err(out[sample], ro)
+    rec["us"] = common.time_events([lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")])
+    rec["host_us"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla"),
+                                    calls=args.host_calls)
+    # the workspace design (docs/notes/sparse_mla.md), steps 1 + 3: the request's context
+    # dequantized once into a bf16 workspace, then the same kernel over it in the bfloat16 format
+    # with request positions as indices
+    from kernels.triton_mla_kv_cache import mla_kv_gather_dequant
+
+    ws = torch.empty((ctx, 576), dtype=torch.bfloat16, device=device)
+    bt = table.view(1, -1)
+    one_len = torch.tensor([ctx], dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def ws_gather():
+        mla_kv_gather_dequant(cache, bt, one_len, zero, ws, "fp8_ds_mla", max_seq_len=ctx)
+
+    def ws_attn():
+        return sparse_mla_decode(q, ws.view(ctx, 1, 576), positions, SOFTMAX_SCALE, "bfloat16")[0]
+
+    ws_gather()
+    o_ws = ws_attn()
+    rec["workspace_rel_err_sampled_rows"] = rel_err(o_ws[sample], ro)
+    rec["workspace_us"] = common.time_events([ws_gather, ws_attn])
+    rec["workspace_steps_us"] = {"gather_dequant": common.time_events([ws_gather]),
+                                 "attention_bf16": common.time_events([ws_attn])}
+    if fmi is not None:
+        cc = torch.cuda.get_device_capability()[0]
+        steps, what = flashmla_prefill_fns(fmi, vllm_c, q, cache, table, positions, slots, lengths, ctx, cc)
+        rec["flashmla_path"] = what
+        for _, f in steps:
+            o_fm = f()
+        rec["flashmla_rel_err_sampled_rows"] = rel_err(o_fm[sample], ro)
+        rec["flashmla_us"] = common.time_events([f for _, f in steps])
+        if len(steps) > 1:
+            rec["flashmla_steps_us"] = {n: common.time_events([f]) for n, f in steps}
+        rec["ratio_vs_flashmla"] = common.ratio(rec["us"], rec["flashmla_us"])
+        rec["workspace_ratio_vs_flashmla"] = common.ratio(rec["workspace_us"], rec["flashmla_us"])
     return rec
 
 
@@ -377,16 +565,15 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
 
 def _warm_one(item):
     import torch
+    from kernels.mla_kv_format import resolve_kv_format
     from kernels.triton_sparse_mla import sparse_mla_decode
 
     H, fmt, config, split, T = item
-    dev = "cuda"
-    nb = 4
-    w = 656 if fmt == "fp8_ds_mla" else 576
-    cache = torch.zeros((nb, BLOCK_SIZE, w), dtype=torch.uint8, device=dev)
-    ks = torch.ones(1, dtype=torch.float32, device=dev) if fmt == "fp8" else None
-    q = torch.zeros((T, H, 576), dtype=torch.bfloat16, device=dev)
-    idx = torch.zeros((T, TOPK), dtype=torch.int32, device=dev)
+    f = resolve_kv_format(fmt, torch.bfloat16)
+    cache = torch.zeros((4, BLOCK_SIZE, f.row_elems), dtype=f.storage_dtype, device="cuda")
+    ks = torch.ones(1, dtype=torch.float32, device="cuda") if fmt == "fp8" else None
+    q = torch.zeros((T, H, 576), dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros((T, TOPK), dtype=torch.int32, device="cuda")
     sparse_mla_decode(q, cache, idx, 0.1, fmt, ks, num_splits=2 if split else 1, config=config)
     torch.cuda.synchronize()
     return True
@@ -409,57 +596,93 @@ def precompile(items, jobs: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------
-# Outputs
+# Outputs (pure Python)
 # ------------------------------------------------------------------------------------------
 
-def write_outputs(result: dict, out_dir: Path, stem: str) -> None:
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+DECODE_COLUMNS = ("| format | H | T | ours us | gather us | ours/gather | FlashMLA us (as vLLM) | ours/FlashMLA | "
+                  "FlashMLA kernel us | ours/kernel | host us | % copy BW | rel err |")
+
+
+def decode_table(records: list[dict], proxy: bool = False) -> list[str]:
+    lines = [DECODE_COLUMNS, "|" + "---|" * (DECODE_COLUMNS.count("|") - 1)]
+    for r in records:
+        if bool(r.get("sm120_proxy")) != proxy:
+            continue
+        lines.append(f"| {r['kv_format']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('gather_us'))} | "
+                     f"{_f(r.get('kernel_over_gather'), '{:.2f}')} | {_f(r.get('flashmla_us'))} | "
+                     f"{_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | {_f(r.get('flashmla_kernel_us'))} | "
+                     f"{_f(r.get('ratio_vs_flashmla_kernel'), '{:.2f}')} | {_f(r.get('host_us'))} | "
+                     f"{_f(r.get('pct_copy_bw'), '{:.0f}')} | {_f(r.get('rel_err'), '{:.1e}')} |")
+    return lines
+
+
+PREFILL_COLUMNS = ("| context | H | rows | ours us | ours via workspace us | FLASHMLA_SPARSE us | ours/FLASHMLA_SPARSE | "
+                   "workspace/FLASHMLA_SPARSE | its path | host us | rel err (64 rows) |")
+
+
+def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
+    lines = [PREFILL_COLUMNS, "|" + "---|" * (PREFILL_COLUMNS.count("|") - 1)]
+    for r in records:
+        if bool(r.get("sm120_proxy")) != proxy:
+            continue
+        lines.append(f"| {r['context']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('workspace_us'))} | "
+                     f"{_f(r.get('flashmla_us'))} | {_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | "
+                     f"{_f(r.get('workspace_ratio_vs_flashmla'), '{:.2f}')} | {r.get('flashmla_path', '-')} | "
+                     f"{_f(r.get('host_us'))} | {_f(r.get('rel_err_sampled_rows'), '{:.1e}')} |")
+    return lines
+
+
+def record_key(r: dict) -> tuple:
+    """What identifies a measurement across runs (a later run's record replaces it)."""
+    if "context" in r:
+        return (bool(r.get("sm120_proxy")), "prefill", r["context"], r["heads"])
+    return (bool(r.get("sm120_proxy")), r["kv_format"], r["heads"], r["tokens"])
+
+
+def run_meta(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("records", "runs")}
+
+
+def merge_results(old: dict | None, new: dict) -> dict:
+    """``new`` merged into an existing results file ``old``: old records whose key (record_key)
+    the new run did not measure are kept, each run's metadata (command, device, copy bandwidth)
+    is kept in ``runs`` next to the records it produced (records carry their command too). The
+    top-level metadata is the latest non-proxy run's."""
+    meta = run_meta(new)
+    if not old:
+        return dict(new, runs=[meta])
+    done = {record_key(r) for r in new["records"]}
+    kept = [r for r in old.get("records", []) if record_key(r) not in done]
+    cmds = {r.get("command") for r in kept}
+    runs = [m for m in old.get("runs", [run_meta(old)]) if m.get("command") in cmds] + [meta]
+    base = dict(new) if not new.get("sm120_proxy") else dict(old)
+    base["records"] = sorted(kept + new["records"], key=record_key)
+    base["runs"] = runs
+    return base
+
+
+def write_outputs(result: dict, out_dir: Path, stem: str, prefill: bool = False, merge: bool = False) -> dict:
+    """Write ``<stem>.json`` (merged into the existing file when ``merge``) and ``<stem>.md``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    recs = result["records"]
-    lines = [f"# Sparse MLA decode on {result['device']} (topk {TOPK}, pool {POOL_TOKENS} tokens)", "",
-             f"Command: `{result['command']}`", "",
-             f"Copy bandwidth (read+write): {result['copy_bw_GBps']:.0f} GB/s. Times: median us per call under CUDA-graph replay.", "",
-             "| format | H | T | ours us | FlashMLA us | ours/FlashMLA | naive us | floor us | % copy BW | TFLOP/s | splits | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in recs:
-        fm = f"{r['flashmla_us']:.1f}" if r.get("flashmla_us") else "-"
-        ratio = f"{r['ratio_vs_flashmla']:.2f}" if r.get("ratio_vs_flashmla") else "-"
-        nv = f"{r['naive_us']:.1f}" if r.get("naive_us") else "-"
-        lines.append(f"| {r['kv_format']} | {r['heads']} | {r['tokens']} | {r['us']:.1f} | {fm} | {ratio} | {nv} | "
-                     f"{r['floor_us']:.1f} | {r['pct_copy_bw']:.0f} | {r['tflops']:.0f} | {r['num_splits']} | {r['rel_err']:.1e} |")
+    path = out_dir / f"{stem}.json"
+    old = json.loads(path.read_text()) if merge and path.exists() else None
+    merged = merge_results(old, result)
+    path.write_text(json.dumps(merged, indent=1))
+    recs = merged["records"]
+    head = [f"# Sparse MLA {'prefill' if prefill else 'decode'} on {merged['device']} (topk {TOPK})", ""]
+    for run in merged["runs"]:
+        head.append(f"- `{run['command']}` (copy bandwidth {run.get('copy_bw_GBps', 0):.0f} GB/s)")
+    head.append("")
+    table = prefill_table if prefill else decode_table
+    lines = head + table(recs)
+    if any(r.get("sm120_proxy") for r in recs):
+        lines += ["", "SM120 proxy (DISABLE_MMA_V3=1, SM120 dispatch forced):", ""] + table(recs, proxy=True)
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        heads = sorted({r["heads"] for r in recs})
-        fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 3.8), squeeze=False)
-        for ax, h in zip(axes[0], heads):
-            for fmt, ls in (("fp8_ds_mla", "-"), ("fp8", "--")):
-                rs = sorted([r for r in recs if r["heads"] == h and r["kv_format"] == fmt], key=lambda r: r["tokens"])
-                if not rs:
-                    continue
-                ts = [r["tokens"] for r in rs]
-                ax.plot(ts, [r["us"] for r in rs], "o" + ls, label=f"Triton {fmt}")
-                if fmt == "fp8_ds_mla":
-                    if any(r.get("flashmla_us") for r in rs):
-                        ax.plot(ts, [r.get("flashmla_us") or float("nan") for r in rs], "s-", label="FlashMLA (H padded)")
-                    if any(r.get("naive_us") for r in rs):
-                        ax.plot(ts, [r.get("naive_us") or float("nan") for r in rs], "^:", label="naive PyTorch")
-                ax.plot(ts, [r["floor_us"] for r in rs], "k" + ls, lw=0.8, label=f"floor {fmt}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"H={h}, topk {TOPK}")
-            ax.set_xlabel("query rows T")
-            ax.set_ylabel("us per call")
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{stem}.png", dpi=110)
-    except Exception as e:  # plotting is optional
-        print(f"plot skipped: {e}")
+    return merged
 
 
 # ------------------------------------------------------------------------------------------
@@ -472,41 +695,61 @@ def _c(bh, bn, w, st, pref, fold=False, waves=1):
 
 
 SWEEP = {
-    8: [
-        _c(16, 32, 8, 1, True),
-        _c(16, 32, 8, 1, True, waves=2),
-        _c(16, 16, 8, 1, True),
-        _c(16, 16, 4, 1, True, waves=2),
-        _c(16, 64, 8, 1, True),
-        _c(16, 32, 8, 2, False),
-        _c(16, 32, 8, 1, True, fold=True),
-    ],
-    64: [
-        _c(64, 64, 8, 2, False, waves=2),
-        _c(64, 64, 8, 2, False, waves=1),
-        _c(64, 32, 8, 2, False, waves=2),
-        _c(64, 32, 8, 1, True, waves=1),
-    ],
+    8: [_c(16, 32, 8, 1, True), _c(16, 32, 8, 1, True, waves=2), _c(16, 16, 8, 1, True),
+        _c(16, 16, 4, 1, True, waves=2), _c(16, 64, 8, 1, True), _c(16, 32, 8, 2, False),
+        _c(16, 32, 8, 1, True, fold=True)],
+    64: [_c(64, 64, 8, 2, False, waves=2), _c(64, 64, 8, 2, False, waves=1), _c(64, 32, 8, 2, False, waves=2),
+         _c(64, 32, 8, 1, True, waves=1)],
 }
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prepare-peers", action="store_true", help="CPU: stage FlashMLA + vLLM writer cubins in .peers/")
+    ap.add_argument("--prepare-peers", action="store_true", help="CPU: stage FlashMLA + writer cubins in .peers/")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the benchmark")
-    ap.add_argument("--heads", type=int, nargs="*", default=[8, 16, 64, 128])
+    ap.add_argument("--prefill", action="store_true", help="prefill case -> sparse_prefill_h200.json")
+    ap.add_argument("--sm120-proxy", action="store_true",
+                    help="SM120 proxy run (needs DISABLE_MMA_V3=1; forces the SM120 dispatch); records merged")
+    ap.add_argument("--heads", type=int, nargs="*", default=None)
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 32, 64, 128])
-    ap.add_argument("--formats", nargs="*", default=["fp8_ds_mla", "fp8"])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768], help="prefill contexts")
+    ap.add_argument("--formats", nargs="*", default=["fp8_ds_mla", "fp8", "bfloat16"])
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms) per measurement")
-    ap.add_argument("--eager", action="store_true", help="also time eager calls (no CUDA graph)")
+    ap.add_argument("--host-calls", type=int, default=1000, help="eager calls timed for host_us")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds: stop starting shapes to finish in time")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into the existing results file (records of shapes not measured now are kept)")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--jobs", type=int, default=8, help="parallel Triton compile workers")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--stem", default="sparse_decode_h200")
+    ap.add_argument("--stem", default=None)
     args = ap.parse_args(argv)
+    if args.heads is None:
+        args.heads = [8, 64] if args.prefill else [8, 16, 32, 64, 128]
+    if args.stem is None:
+        args.stem = PREFILL_STEM if args.prefill else DECODE_STEM
+    for f in args.formats:
+        if f not in ROW_BYTES:
+            ap.error(f"--formats: {f!r} is not one of {sorted(ROW_BYTES)}")
+    if args.prefill and args.sweep:
+        ap.error("--prefill and --sweep are separate runs")
+    if args.time_budget is not None and args.time_budget <= 0:
+        ap.error("--time-budget must be positive seconds")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.prepare_peers:
         prepare_peers()
         return 0
+    cmd = common.command_line(__file__, argv)  # as typed (before the proxy sets the dispatch override)
+    if args.sm120_proxy:
+        if os.environ.get("DISABLE_MMA_V3") != "1":
+            print("--sm120-proxy needs DISABLE_MMA_V3=1 in the environment (set before Triton compiles)")
+            return 2
+        os.environ["GLM5_SPARSE_MLA_DISPATCH_CC"] = "12"
+    budget = common.TimeBudget(args.time_budget)
 
     import torch
     import triton
@@ -514,78 +757,90 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    t_start = time.time()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:]))
     result = {"command": cmd, "device": props.name, "sm_count": props.multi_processor_count, "l2_bytes": l2,
               "torch": torch.__version__, "triton": triton.__version__, "topk": TOPK, "pool_tokens": POOL_TOKENS,
-              "block_size": BLOCK_SIZE, "softmax_scale": SOFTMAX_SCALE}
+              "block_size": BLOCK_SIZE, "softmax_scale": SOFTMAX_SCALE, "sm120_proxy": args.sm120_proxy}
+    formats = ["fp8_ds_mla"] if args.prefill else args.formats
 
-    # compile everything first, in parallel
-    cc = torch.cuda.get_device_capability()[0]
-    from kernels.triton_sparse_mla import _pick_config
+    if not args.prefill:
+        warm = []
+        if args.sweep:
+            for h in args.heads:
+                for c in SWEEP[8 if h <= 16 else 64]:
+                    for s in (False, True):
+                        warm.append((h, "fp8_ds_mla", c, s, 1))
+        else:
+            for h in args.heads:
+                for f in formats:
+                    for s in (False, True):
+                        for t in sorted({1, max(args.tokens)}):
+                            warm.append((h, f, None, s, t))
+        result["compile_s"] = precompile(warm, args.jobs)
+        print(f"precompiled {len(warm)} variants in {result['compile_s']:.1f}s", flush=True)
 
-    warm = []
-    if args.sweep:
-        for h in args.heads:
-            for c in SWEEP[8 if h <= 16 else 64]:
-                for s in (False, True):
-                    warm.append((h, "fp8_ds_mla", c, s, 1))
-    else:
-        for h in args.heads:
-            for f in args.formats:
-                for s in (False, True):
-                    for t in sorted({1, max(args.tokens)}):
-                        warm.append((h, f, None, s, t))
-    result["compile_s"] = precompile(warm, args.jobs)
-    print(f"precompiled {len(warm)} variants in {result['compile_s']:.1f}s", flush=True)
-
-    copy_bw = copy_bandwidth(dev)
+    copy_bw = common.copy_bandwidth(dev)
     result["copy_bw_GBps"] = copy_bw / 1e9
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    fmi, why = load_flashmla()
-    result["flashmla"] = "vllm 0.26.0 wheel _flashmla_C" if fmi else why
-    pools = {f: make_pool(f, dev, torch.bfloat16, seed=i) for i, f in enumerate(args.formats)}
+    pin, _ = common.pin_wheel()
+    fmi, why = common.load_flashmla(pin)
+    result["flashmla"] = f"vllm {pin} wheel _flashmla_C" if fmi else why
+    vllm_c = False
+    if args.prefill:
+        vllm_c, note = common.load_vllm_c(pin)
+        result["vllm_c"] = note
+    pools = {f: make_pool(f, dev, torch.bfloat16, seed=i) for i, f in enumerate(formats)}
     torch.cuda.synchronize()
 
-    records = []
+    records, skipped = [], []
+    last_cost = 0.0
+    if args.prefill:
+        shapes = [(c, h) for c in args.contexts for h in args.heads]
+    elif args.sweep:
+        shapes = [(h, t, c) for h in args.heads for t in args.tokens for c in SWEEP[8 if h <= 16 else 64]]
+    else:
+        shapes = [(f, h, t) for f in formats for h in args.heads for t in args.tokens]
+    for shape in shapes:
+        if not budget.allows(1.5 * last_cost):
+            skipped.append(list(shape) if not args.sweep else [shape[0], shape[1]])
+            continue
+        t0 = time.monotonic()
+        if args.prefill:
+            r = run_prefill(shape[0], shape[1], pools, fmi, vllm_c, args)
+            print(f"prefill ctx={r['context']} H={r['heads']}: ours {r['us']:.0f} us | FLASHMLA_SPARSE "
+                  f"{r.get('flashmla_us') or float('nan'):.0f} us | ratio {r.get('ratio_vs_flashmla') or float('nan'):.2f} "
+                  f"| host {r['host_us']:.1f} us | err {r['rel_err_sampled_rows']:.1e}", flush=True)
+        elif args.sweep:
+            h, t, c = shape
+            r = run_shape(h, t, "fp8_ds_mla", pools, fmi, copy_bw, l2, args, config=c, peers=c is SWEEP[8 if h <= 16 else 64][0])
+            print(f"H={h:3d} T={t:3d} {c}: {r['us']:8.1f} us ({r['pct_copy_bw']:.0f}% copy BW, gather x"
+                  f"{r['kernel_over_gather'] or float('nan'):.2f}, err {r['rel_err']:.1e})", flush=True)
+        else:
+            f, h, t = shape
+            r = run_shape(h, t, f, pools, fmi, copy_bw, l2, args)
+            print(f"{f:10s} H={h:3d} T={t:3d}: ours {r['us']:7.1f} us | gather {r['gather_us']:6.1f} (x{r['kernel_over_gather']:.2f}) | "
+                  f"FlashMLA {r.get('flashmla_us') or float('nan'):7.1f} (x{r.get('ratio_vs_flashmla') or float('nan'):.2f}) "
+                  f"kernel {r.get('flashmla_kernel_us') or float('nan'):7.1f} (x{r.get('ratio_vs_flashmla_kernel') or float('nan'):.2f}) | "
+                  f"host {r['host_us']:5.1f} us | {r['pct_copy_bw']:3.0f}% copy BW | err {r['rel_err']:.1e}", flush=True)
+        last_cost = time.monotonic() - t0
+        r["command"] = cmd
+        r["sm120_proxy"] = args.sm120_proxy
+        records.append(r)
+    result["records"] = records
+    if skipped:
+        result["incomplete"] = {"skipped_shapes": skipped, "time_budget_s": args.time_budget}
+    result["wall_s"] = budget.elapsed()
     if args.sweep:
-        for h in args.heads:
-            for t in args.tokens:
-                base = None
-                for c in SWEEP[8 if h <= 16 else 64]:
-                    r = run_shape(h, t, "fp8_ds_mla", pools, fmi, copy_bw, l2, args, config=c, peers=base is None)
-                    if base is None:
-                        base = r
-                    else:
-                        r["flashmla_us"] = base.get("flashmla_us")
-                        r["ratio_vs_flashmla"] = r["us"] / base["flashmla_us"] if base.get("flashmla_us") else None
-                    records.append(r)
-                    print(f"H={h:3d} T={t:3d} {c} splits={r['num_splits']:2d}: {r['us']:8.1f} us "
-                          f"(FlashMLA {r['flashmla_us'] or float('nan'):7.1f}, {r['pct_copy_bw']:.0f}% copy BW, "
-                          f"{r['tflops']:.0f} TF/s, err {r['rel_err']:.1e})", flush=True)
-        result["records"] = records
-        result["wall_s"] = time.time() - t_start
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
-        return 0
-
-    for f in args.formats:
-        for h in args.heads:
-            for t in args.tokens:
-                r = run_shape(h, t, f, pools, fmi, copy_bw, l2, args)
-                records.append(r)
-                print(f"{f:10s} H={h:3d} T={t:3d}: ours {r['us']:7.1f} us | FlashMLA {r['flashmla_us'] or float('nan'):7.1f} | "
-                      f"naive {r.get('naive_us') or float('nan'):8.1f} | floor {r['floor_us']:6.1f} | "
-                      f"{r['pct_copy_bw']:3.0f}% copy BW | ratio {r['ratio_vs_flashmla'] or float('nan'):.2f} | "
-                      f"err {r['rel_err']:.1e}", flush=True)
-    result["records"] = records
-    result["wall_s"] = time.time() - t_start
-    write_outputs(result, Path(args.out_dir), args.stem)
-    print(f"wrote {args.out_dir}/{args.stem}.json (.md, .png) in {result['wall_s']:.0f}s")
+    else:
+        write_outputs(result, Path(args.out_dir), args.stem, prefill=args.prefill,
+                      merge=args.append or args.sm120_proxy)
+    print(f"wrote {args.out_dir}/{args.stem}.json in {result['wall_s']:.0f}s"
+          + (f" ({len(skipped)} shapes skipped by the time budget)" if skipped else ""))
     return 0
 
 

@@ -24,7 +24,12 @@ the fp32 scales (``D // quant_block`` per token). GLM-5 / DeepSeek-V3.2: ``D = q
 Quantization (``indexer_k_quant_and_cache``): per token and 128-group ``s = max(amax, 1e-4) / 448``,
 with ``scale_fmt == "ue8m0"`` rounded *up* to a power of two (``2^ceil(log2 s)``, computed exactly
 on the fp32 bits); stored value ``e4m3(x / s)`` (round to nearest even, |x / s| <= 448), stored
-scale ``s``. A negative slot skips the token.
+scale ``s``. A negative slot skips the token (padding); a slot ``>= num_blocks * block_size`` is
+out of range and skipped too (vLLM's CUDA writer would write out of bounds; ``validate=True``
+raises instead, with a host sync). Non-finite input, as vLLM's CUDA writer (``fmaxf`` ignores NaN,
+``__nv_cvt_float_to_fp8`` keeps it): a NaN element is stored as the e4m3 NaN byte ``0x7F`` and does
+not enter its group's ``amax``; a +-inf element makes the group's scale ``+inf``, so its finite
+elements store +-0 and the inf itself ``inf / inf`` = NaN (``0x7F``).
 
 Logits (DeepGEMM's convention, which vLLM uses)::
 
@@ -75,6 +80,9 @@ __all__ = [
     "fp8_mqa_logits_reference",
     "dequant_indexer_k_cache",
     "paged_logits_config",
+    "grid_yz_tiles",
+    "paged_dispatch_configs",
+    "MAX_GRID_YZ",
     "SM120_COMPILE_SPECS",
 ]
 
@@ -95,6 +103,20 @@ def _device_sms(device: torch.device) -> int:
     if device.type != "cuda" or _interpret():
         return 8
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# CUDA's limit on gridDim.y / gridDim.z. Launches whose y extent (query blocks of the ragged
+# prefill logits, requests of the paged decode logits) could exceed it are tiled into several
+# launches of at most this many programs along y, each with its offset (``grid_yz_tiles``): at
+# GLM-5's 32 heads (4 queries per block) one launch took at most 262,140 rows, at 64 heads 131,070.
+MAX_GRID_YZ = 65535
+
+
+def grid_yz_tiles(n: int, max_yz: int = MAX_GRID_YZ) -> list[tuple[int, int]]:
+    """(offset, count) launches covering ``n`` programs along grid y, each ``<= max_yz``."""
+    if max_yz < 1:
+        raise ValueError(f"max grid y/z must be >= 1, got {max_yz}")
+    return [(o, min(max_yz, n - o)) for o in range(0, n, max_yz)]
 
 
 def _cache_geometry(kv_cache: torch.Tensor, head_dim: int, quant_block: int):
@@ -152,6 +174,7 @@ def _e4m3_bits_rne(y):
     (e.g. -125.875 -> -64; ties not to even). On the GPU the hardware cvt (rn, satfinite) is used."""
     a = tl.abs(y)
     ab = a.to(tl.int32, bitcast=True)
+    # (NaN -> 0x7F at the end, like the hardware cvt)
     e = tl.maximum(((ab >> 23) & 0xFF) - 127, -6)  # exponent of the quantum's binade (subnormals: -6)
     q = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): spacing of e4m3 in that binade
     r = ((a / q + 8388608.0) - 8388608.0) * q  # exact: a/q < 16, fp32 add rounds to nearest even
@@ -163,13 +186,14 @@ def _e4m3_bits_rne(y):
     qq = ((qe + 127) << 23).to(tl.float32, bitcast=True)
     m = (r / qq).to(tl.int32)  # 8..15 (normal) or 0..7 (subnormal)
     bits = tl.where(normal, ((re_ + 7) << 3) | (m - 8), m)
-    return tl.where(y < 0, bits | 0x80, bits)
+    bits = tl.where(y.to(tl.int32, bitcast=True) < 0, bits | 0x80, bits)  # sign bit: -0.0 -> 0x80
+    return tl.where(y != y, 0x7F, bits)
 
 
 @triton.jit
 def _indexer_k_quant_cache_kernel(
     k_ptr, cache_u8_ptr, cache_f32_ptr, slot_ptr,
-    num_tokens, stride_kt, stride_blk,
+    num_tokens, num_slots, stride_kt, stride_blk,
     PAGE: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_T: tl.constexpr,
     SOFT_CVT: tl.constexpr,
 ):
@@ -177,22 +201,25 @@ def _indexer_k_quant_cache_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
-    valid = tm & (slot >= 0)
+    valid = tm & (slot >= 0) & (slot < num_slots)
     d = tl.arange(0, D)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     xg = tl.reshape(x, [BLOCK_T, NG, QB])
-    amax = tl.max(tl.abs(xg), axis=2)  # [BLOCK_T, NG]
+    # NaN elements do not enter amax (vLLM's fmaxf; explicit, since a max reduction's NaN handling
+    # differs between the GPU and the interpreter); inf gives s = inf (ue8m0 keeps it)
+    amax = tl.max(tl.where(xg != xg, 0.0, tl.abs(xg)), axis=2)  # [BLOCK_T, NG]
     s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
     if USE_UE8M0:
         s = _ue8m0_ceil(s)
     y = tl.math.div_rn(xg, s[:, :, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))  # NaN stays NaN -> 0x7F
     y = tl.reshape(y, [BLOCK_T, D])
     if SOFT_CVT:
         yb = _e4m3_bits_rne(y).to(tl.uint8)
     else:
         yb = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        yb = tl.where(y != y, 0x7F, yb)  # one NaN byte whatever the sign / the cvt's choice
     blk = slot // PAGE
     off = slot % PAGE
     vbase = blk * stride_blk + off * D
@@ -203,12 +230,13 @@ def _indexer_k_quant_cache_kernel(
 
 
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                              quant_block_size: int, scale_fmt: str | None) -> None:
+                              quant_block_size: int, scale_fmt: str | None, validate: bool = False) -> None:
     """Drop-in for ``vllm._custom_ops.indexer_k_quant_and_cache(k, kv_cache, slot_mapping,
     quant_block_size, kv_cache_dtype)`` (vLLM passes the scale format, ``"ue8m0"``, as the last
     argument). ``k``: ``[T, D]`` bf16/fp16/fp32 (rows may be strided); ``slot_mapping``: ``[T]``
-    int64 (or int32), negative = skip. Only the first ``slot_mapping.shape[0]`` rows of ``k`` are
-    used (vLLM's CUDA-graph padding)."""
+    int64 (or int32), negative or ``>= num_blocks * block_size`` = skip. Only the first
+    ``slot_mapping.shape[0]`` rows of ``k`` are used (vLLM's CUDA-graph padding). ``validate``
+    (debug only, host sync): raise on slots ``>= num_blocks * block_size``."""
     kv3, page, entry = _cache_geometry(kv_cache, k.shape[-1], quant_block_size)
     if k.dim() != 2 or k.stride(1) != 1:
         raise ValueError(f"k must be [T, head_dim] with contiguous rows, got {tuple(k.shape)} stride {k.stride()}")
@@ -222,12 +250,15 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     n = slot_mapping.shape[0]
     if k.shape[0] < n:
         raise ValueError(f"k has {k.shape[0]} rows for {n} slots")
-    if n == 0:
+    num_slots = kv3.shape[0] * page
+    if validate and n > 0 and bool((slot_mapping[:n] >= num_slots).any().item()):
+        raise ValueError(f"slot_mapping has slots >= num_blocks * block_size = {num_slots}")
+    if n == 0 or num_slots == 0:
         return
     fp8v, f32v = _views(kv3)
     block_t = 4
     _indexer_k_quant_cache_kernel[(triton.cdiv(n, block_t),)](
-        k, fp8v.view(torch.uint8), f32v, slot_mapping, n, k.stride(0), kv3.stride(0),
+        k, fp8v.view(torch.uint8), f32v, slot_mapping, n, num_slots, k.stride(0), kv3.stride(0),
         PAGE=page, D=head_dim, QB=quant_block_size, USE_UE8M0=(scale_fmt == "ue8m0"), BLOCK_T=block_t,
         SOFT_CVT=_interpret(), num_warps=4,
     )
@@ -240,20 +271,21 @@ def indexer_k_quant_and_cache_reference(k, kv_cache, slot_mapping, quant_block_s
     ng = D // quant_block_size
     n = slot_mapping.shape[0]
     x = k[:n].float().view(n, ng, quant_block_size)
-    s = torch.clamp(x.abs().amax(dim=-1), min=1e-4) / 448.0
+    s = torch.clamp(torch.where(x.isnan(), 0.0, x.abs()).amax(dim=-1), min=1e-4) / 448.0
     if scale_fmt == "ue8m0":
         bits = s.view(torch.int32)
         e = (bits >> 23) & 0xFF
         e = torch.where((bits & 0x7FFFFF) != 0, e + 1, e)
         s = (e << 23).view(torch.float32)
-    y = torch.clamp(x / s[..., None], -448.0, 448.0).to(FP8_DTYPE).view(n, D)
+    y = torch.clamp(x / s[..., None], -448.0, 448.0).to(FP8_DTYPE).view(torch.uint8)
+    y = torch.where((x / s[..., None]).isnan(), 0x7F, y).view(n, D)  # NaN: the canonical 0x7F
     flat = kv3.view(kv3.shape[0], -1)
     for t in range(n):
         slot = int(slot_mapping[t])
-        if slot < 0:
+        if slot < 0 or slot >= kv3.shape[0] * page:
             continue
         blk, off = divmod(slot, page)
-        flat[blk, off * D:(off + 1) * D] = y[t].view(torch.uint8)
+        flat[blk, off * D:(off + 1) * D] = y[t]
         flat[blk, page * D + off * 4 * ng: page * D + (off + 1) * 4 * ng] = s[t].contiguous().view(torch.uint8)
 
 
@@ -330,7 +362,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
     kv3, page, entry = _cache_geometry(kv_cache, head_dim, head_dim // ng)
     if block_table.dtype != torch.int32 or cu_seq_lens.dtype != torch.int32:
         raise TypeError("block_table and cu_seq_lens must be int32")
-    if block_table.stride(-1) != 1:
+    if block_table.stride(-1) != 1 and block_table.shape[-1] > 1:
         raise ValueError("block_table rows must be contiguous")
     if n == 0:
         return
@@ -380,13 +412,13 @@ def cp_gather_indexer_k_quant_cache_reference(kv_cache, dst_k, dst_scale, block_
 def _paged_logits_kernel(
     q_ptr, kv_fp8_ptr, kv_f32_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_blk, stride_wr, stride_cb, stride_btb, stride_or,
-    max_model_len,
+    max_model_len, b0,
     NEXT_N: tl.constexpr, NN_P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64) + b0  # b0: first request of this launch (grid-y tiling)
     jj = tl.arange(0, NN_P)
     jm = jj < NEXT_N
     if CTX_2D:
@@ -489,7 +521,9 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         ctx_2d, stride_cb = False, context_lens.stride(0)
     else:
         raise ValueError("context_lens must be 1-D [B] or 2-D [B, next_n]")
-    if block_table.dim() != 2 or block_table.shape[0] < B or block_table.stride(1) != 1:
+    # (a [B, 1] table may be a view with stride(1) != 1, as upstream's wrapper notes: only column 0
+    # is read then, so its stride does not matter)
+    if block_table.dim() != 2 or block_table.shape[0] < B or (block_table.stride(1) != 1 and block_table.shape[1] > 1):
         raise ValueError(f"block_table must be [B, max_blocks] with contiguous rows, got {tuple(block_table.shape)}")
     rows = B * next_n
     if out is None:  # contiguous: vLLM's persistent_topk takes logits.size(1) as the row stride
@@ -500,20 +534,21 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     overrides = dict(overrides)
     waves = overrides.pop("WAVES", 4.0)
+    max_grid_yz = overrides.pop("MAX_GRID_YZ", MAX_GRID_YZ)
     cfg = paged_logits_config(B, next_n, max_model_len, _device_sms(q.device), waves,
                               overrides.get("BLOCK_N", 64), H)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     chunk = cfg["TILES"] * cfg["BLOCK_N"]
     fp8v, f32v = _views(kv3)
-    grid = (triton.cdiv(max_model_len, chunk), B)
-    _paged_logits_kernel[grid](
-        q, fp8v, f32v, weights, context_lens, block_table, out,
-        q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
-        block_table.stride(0), out.stride(0), max_model_len,
-        NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
-        CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
-    )
+    for b0, nb in grid_yz_tiles(B, max_grid_yz):
+        _paged_logits_kernel[(triton.cdiv(max_model_len, chunk), nb)](
+            q, fp8v, f32v, weights, context_lens, block_table, out,
+            q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
+            block_table.stride(0), out.stride(0), max_model_len, b0,
+            NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
+            CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
+        )
     return out
 
 
@@ -560,11 +595,11 @@ def fp8_paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_tab
 @triton.jit
 def _ragged_logits_kernel(
     q_ptr, k_ptr, ks_ptr, w_ptr, cks_ptr, cke_ptr, out_ptr,
-    M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om,
+    M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om, qb0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_q = tl.program_id(1)
+    pid_q = tl.program_id(1) + qb0  # qb0: first query block of this launch (grid-y tiling)
     qi = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qm = qi < M
     kst = tl.load(cks_ptr + qi, mask=qm, other=2147483647)
@@ -625,12 +660,13 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     cfg = dict(BLOCK_Q=max(1, 128 // H), BLOCK_N=128, num_warps=8)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_Q"]))
-    _ragged_logits_kernel[grid](
-        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out,
-        M, N, q.stride(0), q.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
-    )
+    max_grid_yz = cfg.pop("MAX_GRID_YZ", MAX_GRID_YZ)
+    for qb0, nqb in grid_yz_tiles(triton.cdiv(M, cfg["BLOCK_Q"]), max_grid_yz):
+        _ragged_logits_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), nqb)](
+            q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out,
+            M, N, q.stride(0), q.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0), qb0,
+            H=H, D=D, CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
+        )
     return out
 
 
@@ -652,6 +688,32 @@ def fp8_mqa_logits_reference(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen
 # ----------------------------------------------------------------------------------------------
 
 
+# Inputs the paged-logits dispatch is enumerated over for the compile specs: the indexer head
+# counts of GLM-5 (32) and DeepSeek-V3.2 (64) (the indexer's heads are not split by tensor
+# parallelism), next_n 1..4 (MTP with up to 3 draft tokens), batches 1..4096, max_model_len from
+# one page to 1M (GLM-5.2), and the SM counts of the targeted GPUs (see triton_dsa_topk.SPEC_SMS).
+SPEC_HEADS = (32, 64)
+SPEC_NEXT_N = (1, 2, 3, 4)
+SPEC_BATCH = tuple(1 << i for i in range(13))
+SPEC_MAX_MODEL_LEN = (64, 4096, 32768, 131072, 163840, 202752, 1 << 20)
+SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
+
+
+def paged_dispatch_configs(heads=SPEC_HEADS, next_ns=SPEC_NEXT_N, batches=SPEC_BATCH,
+                           max_model_lens=SPEC_MAX_MODEL_LEN, sms=SPEC_SMS) -> list[tuple[int, int, dict]]:
+    """Every distinct (H, next_n, paged_logits_config) the paged logits dispatch picks (default
+    WAVES and BLOCK_N, as vLLM calls it) over the given inputs."""
+    seen = {}
+    for H in heads:
+        for nn_ in next_ns:
+            for B in batches:
+                for L in max_model_lens:
+                    for n in sms:
+                        cfg = paged_logits_config(B, nn_, L, n, heads=H)
+                        seen.setdefault((H, nn_, tuple(sorted(cfg.items()))), (H, nn_, cfg))
+    return [seen[key] for key in sorted(seen)]
+
+
 def SM120_COMPILE_SPECS() -> list[dict]:
     """Every configuration the dispatch above can choose, at GLM-5 / DeepSeek shapes."""
     specs = []
@@ -661,7 +723,8 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "name": f"dsa_indexer_k_cache[{in_t[1:]},ue8m0={int(ue8m0)}]",
                 "fn": _indexer_k_quant_cache_kernel,
                 "signature": {"k_ptr": in_t, "cache_u8_ptr": "*u8", "cache_f32_ptr": "*fp32",
-                              "slot_ptr": "*i64", "num_tokens": "i32", "stride_kt": "i32", "stride_blk": "i32",
+                              "slot_ptr": "*i64", "num_tokens": "i32", "num_slots": "i32", "stride_kt": "i32",
+                              "stride_blk": "i32",
                               "PAGE": "constexpr", "D": "constexpr", "QB": "constexpr", "USE_UE8M0": "constexpr",
                               "BLOCK_T": "constexpr", "SOFT_CVT": "constexpr"},
                 "constexprs": {"PAGE": 64, "D": 128, "QB": 128, "USE_UE8M0": ue8m0, "BLOCK_T": 4, "SOFT_CVT": False},
@@ -688,31 +751,35 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                                 "req_ptr", "num_tokens", "stride_blk", "stride_dk"],
             "num_warps": 4, "num_stages": 1,
         })
-    for H in (32, 64):
-        for next_n in (1, 2, 4):
-            for tiles in (32,):
-                for clean, ctx_2d in ((False, True), (True, False)):
-                    specs.append({
-                        "name": f"dsa_paged_logits[H={H},next_n={next_n},tiles={tiles},clean={int(clean)},"
-                                f"ctx2d={int(ctx_2d)}]",
-                        "fn": _paged_logits_kernel,
-                        "signature": {
-                            "q_ptr": "*fp8e4nv", "kv_fp8_ptr": "*fp8e4nv", "kv_f32_ptr": "*fp32",
-                            "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32",
-                            "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_blk": "i32",
-                            "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
-                            "max_model_len": "i32",
-                            "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
-                            "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
-                            "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
-                        "constexprs": {"NEXT_N": next_n, "NN_P": triton.next_power_of_2(next_n), "H": H, "D": 128,
-                                       "PAGE": 64, "BLOCK_N": 64, "TILES": tiles, "CTX_2D": ctx_2d,
-                                       "CLEAN": clean, "NUM_STAGES": 3},
-                        "divisible_by_16": ["q_ptr", "kv_fp8_ptr", "kv_f32_ptr", "w_ptr", "ctx_ptr", "bt_ptr",
-                                            "out_ptr", "stride_qb", "stride_qn", "stride_qh", "stride_blk",
-                                            "stride_wr", "stride_or"],
-                        "num_warps": 8 if triton.next_power_of_2(next_n) * H >= 256 else 4, "num_stages": 3,
-                    })
+    # paged logits: every (H, next_n, BLOCK_N, TILES, NUM_STAGES, warps) paged_logits_config picks
+    # (paged_dispatch_configs); CLEAN / CTX_2D (a store loop and the context-length loads, set by
+    # the caller, not the dispatch) rotate over them so that each of the four pairs is compiled
+    # with several tile counts (vLLM passes clean_logits=False and 2-D context lengths).
+    flags = ((False, True), (True, False), (False, False), (True, True))
+    for i, (H, next_n, cfg) in enumerate(paged_dispatch_configs()):
+        clean, ctx_2d = flags[i % 4]
+        cfg = dict(cfg)
+        nw = cfg.pop("num_warps")
+        specs.append({
+            "name": f"dsa_paged_logits[H={H},next_n={next_n},tiles={cfg['TILES']},w={nw},clean={int(clean)},"
+                    f"ctx2d={int(ctx_2d)}]",
+            "fn": _paged_logits_kernel,
+            "signature": {
+                "q_ptr": "*fp8e4nv", "kv_fp8_ptr": "*fp8e4nv", "kv_f32_ptr": "*fp32",
+                "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32",
+                "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_blk": "i32",
+                "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
+                "max_model_len": "i32", "b0": "i32",
+                "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
+                "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
+                "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
+            "constexprs": dict(NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=128, PAGE=64,
+                               CTX_2D=ctx_2d, CLEAN=clean, **cfg),
+            "divisible_by_16": ["q_ptr", "kv_fp8_ptr", "kv_f32_ptr", "w_ptr", "ctx_ptr", "bt_ptr",
+                                "out_ptr", "stride_qb", "stride_qn", "stride_qh", "stride_blk",
+                                "stride_wr", "stride_or"],
+            "num_warps": nw, "num_stages": cfg["NUM_STAGES"],
+        })
     for H in (32, 64):
         for clean in (False, True):
             specs.append({
@@ -721,7 +788,7 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "signature": {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "w_ptr": "*fp32",
                               "cks_ptr": "*i32", "cke_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                               "stride_qm": "i32", "stride_qh": "i32", "stride_kn": "i32", "stride_wm": "i32",
-                              "stride_om": "i32", "H": "constexpr", "D": "constexpr", "BLOCK_Q": "constexpr",
+                              "stride_om": "i32", "qb0": "i32", "H": "constexpr", "D": "constexpr", "BLOCK_Q": "constexpr",
                               "BLOCK_N": "constexpr", "CLEAN": "constexpr"},
                 "constexprs": {"H": H, "D": 128, "BLOCK_Q": max(1, 128 // H), "BLOCK_N": 128, "CLEAN": clean},
                 "divisible_by_16": ["q_ptr", "k_ptr", "ks_ptr", "w_ptr", "out_ptr", "stride_qm", "stride_qh",

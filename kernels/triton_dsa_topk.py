@@ -23,9 +23,10 @@ Algorithm (two launches; the row's logits are read once from L2/HBM in the commo
 
 1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
    ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
-   are radix-selected in registers (16-bin ``tl.histogram`` per 4-bit digit) at the two ranks
-   ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they bound a window ``[lo, hi]`` that contains the
-   k-th largest value with overwhelming probability (``hi`` rounded up, ``lo`` down to 20 bits).
+   are radix-selected in registers (a ``2**BITS``-bin ``tl.histogram`` per ``BITS``-bit digit,
+   ``RADIX_BITS`` = 8 by default) at the two ranks ``S*k/L -+ (ZSIGMA * binomial sd + 2)``; they
+   bound a window ``[lo, hi]`` that contains the k-th largest value with overwhelming probability
+   (``hi`` rounded up, ``lo`` down, to the ``ceil(20 / BITS)`` leading digits).
    Then one streaming pass over the program's segment of the row: elements above ``hi`` are
    written out (their count must stay below ``k``), window elements are compacted in position
    order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
@@ -68,6 +69,8 @@ __all__ = [
     "persistent_topk_reference",
     "topk_rows_reference",
     "topk_config",
+    "topk_workspace_bytes",
+    "dispatch_launches",
     "SM120_COMPILE_SPECS",
 ]
 
@@ -190,40 +193,54 @@ def _from_u(ku):
 
 
 @triton.jit
-def _radix_select_desc(ku, m, rank, top_shift, npass):
-    """Radix select on uint32 values ``ku`` (lanes with ``m``), 4 bits per pass from bit
-    ``top_shift + 3`` down, ``npass`` passes: returns (prefix, r) where ``prefix`` holds the
+def _radix_select_desc(ku, m, rank, top_shift, npass, BITS: tl.constexpr):
+    """Radix select on uint32 values ``ku`` (lanes with ``m``), ``BITS`` bits per pass from bit
+    ``top_shift + BITS - 1`` down, ``npass`` passes: returns (prefix, r) where ``prefix`` holds the
     examined bits of the ``rank``-th largest value (0-based; lower bits zero) and ``r`` is its rank
     among the lanes sharing that prefix. With every bit examined, ``prefix`` is the value itself and
-    ``r + 1`` of its ties are needed. Each pass: a 16-bin histogram of the masked digits."""
-    dig = tl.arange(0, 16)
+    ``r + 1`` of its ties are needed. Each pass: a ``2**BITS``-bin histogram of the masked digits
+    (ballots per digit bit inside a warp, one shared-memory merge across warps); the per-pass fixed
+    cost (merge, barrier, bin scan) dominates, so 8-bit digits (4 passes for 32 bits) beat 4-bit
+    ones (8 passes)."""
+    NB: tl.constexpr = 1 << BITS
+    dig = tl.arange(0, NB)
     prefix = tl.zeros([], dtype=tl.uint32)
     pmask = tl.zeros([], dtype=tl.uint32)
     rr = rank
     for p in range(0, npass):
-        shift = (tl.zeros([], dtype=tl.int32) + top_shift - 4 * p).to(tl.uint32)
-        d = ((ku >> shift) & 0xF).to(tl.int32)
+        shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
+        d = ((ku >> shift) & (NB - 1)).to(tl.int32)
         match = m & ((ku & pmask) == prefix)
-        cnt = tl.histogram(d, 16, mask=match)  # warp ballots + one small shared-memory merge
+        cnt = tl.histogram(d, NB, mask=match)
         above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)  # lanes with a larger digit
         sel = (above <= rr) & (rr < above + cnt)
         dsel = tl.sum(tl.where(sel, dig, 0), 0)
         rr = rr - tl.sum(tl.where(sel, above, 0), 0)
         prefix = prefix | (dsel.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full([], 0xF, tl.uint32) << shift)
+        pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
     return prefix, rr
 
 
 @triton.jit
-def _resolve_store(keys, idx, m, base, need, n_passes, out):
+def _resolve_store(keys, idx, m, base, need, n_passes, out, BITS: tl.constexpr):
     """Write the ``need`` largest of (keys (uint32, relative to ``base``), idx) lanes ``m`` (in
-    position order: ties are taken lowest position first) to out[base + ...]."""
-    pref, rr = _radix_select_desc(keys, m, need - 1, 4 * n_passes - 4, n_passes)
+    position order: ties are taken lowest position first) to out[base + ...]. ``n_passes`` digits
+    of ``BITS`` bits cover every bit that varies among the keys."""
+    pref, rr = _radix_select_desc(keys, m, need - 1, BITS * n_passes - BITS, n_passes, BITS)
     above = m & (keys > pref)
     eq = m & (keys == pref)
-    tie_rank = tl.cumsum(eq.to(tl.int32), 0)
-    sel = above | (eq & (tie_rank <= rr + 1))
-    opos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+    # the ties taken up to lane i are min(#ties so far, rr + 1) because ties are taken in order.
+    if keys.shape[0] <= 16384:
+        # one packed scan: #above in the low, #ties in the high bits (counts <= 16384 < 2**15,
+        # so the high half stays positive in int32)
+        incl = tl.cumsum(above.to(tl.int32) | (eq.to(tl.int32) << 16), 0)
+        n_eq = incl >> 16
+        n_above = incl & 0xFFFF
+    else:  # CAP > 16384 (k > 8192): the counts do not fit 16 bits, two scans
+        n_eq = tl.cumsum(eq.to(tl.int32), 0)
+        n_above = tl.cumsum(above.to(tl.int32), 0)
+    sel = above | (eq & (n_eq <= rr + 1))
+    opos = base + n_above + tl.minimum(n_eq, rr + 1) - 1
     tl.store(out + opos, idx, mask=sel)
 
 
@@ -234,7 +251,7 @@ def _topk_segment_kernel(
     out_ptr, stride_o,
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
-    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr,
+    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr,
 ):
     """Pass 1 for rows longer than CAP, grid (rows, SPLIT): a window [lo, hi] from a pivot sample of
     the whole row (every program of the row computes the same one), then one streaming pass over
@@ -253,12 +270,14 @@ def _topk_segment_kernel(
         r_hi = tl.floor(e - mrg).to(tl.int32)
         r_lo = tl.ceil(e + mrg).to(tl.int32)
         all_s = js >= 0
-        # 20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
-        five = tl.full([], 5, tl.int32)
-        top = tl.full([], 28, tl.int32)
-        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, five)
-        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, five)
-        hi = tl.where(r_hi >= 0, _from_u(ph | 0xFFF), 2147483647)
+        # ~20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
+        SPASS: tl.constexpr = (20 + BITS - 1) // BITS
+        LOWMASK: tl.constexpr = (1 << (32 - BITS * SPASS)) - 1
+        npass = tl.full([], SPASS, tl.int32)
+        top = tl.full([], 32 - BITS, tl.int32)
+        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, npass, BITS)
+        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, npass, BITS)
+        hi = tl.where(r_hi >= 0, _from_u(ph | LOWMASK), 2147483647)
         lo = tl.where(r_lo < S, _from_u(pl), -2147483648)
         hi = tl.maximum(hi, lo)
         seg_len = tl.cdiv(L, SPLIT)
@@ -290,6 +309,7 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -307,7 +327,7 @@ def _topk_merge_kernel(
     elif L <= CAP:
         cm = cj < L
         ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
-        _resolve_store(ku, cj, cm, 0, K, tl.full([], 8, tl.int32), out)
+        _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
     else:
         ck = cat_k_ptr + row * CAP
         ci = cat_i_ptr + row * CAP
@@ -373,10 +393,11 @@ def _topk_merge_kernel(
             rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
             width = _to_u(hi) - lo_u
             npass = tl.full([], 1, tl.int32)
-            while (npass < 8) & ((width >> (4 * npass).to(tl.uint32)) != 0):
+            # (shift clamped to 31: a shift by 32 is undefined in LLVM even where npass stops the loop)
+            while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
                 npass += 1
             cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
-            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out)
+            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,7 +405,17 @@ def _topk_merge_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> dict:
+# Radix digit width of every select (constexpr BITS). 8-bit digits take 4 passes for a 32-bit key
+# where 4-bit digits take 8, but each pass's 256-bin histogram costs more than the passes saved: on
+# the H200 (bench/dsa_indexer.py --sweep) the top-k with BITS=8 took 17.9 us at 4k T=128 against
+# 13.1 us with BITS=4, and 35.4 / 40.0 / 54.3 us at 32k T=1/16/64 against 27.1 / 28.9 / 39.4 us.
+RADIX_BITS = 4
+# Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
+SEG_MIN = 8192
+
+
+def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
+                bits: int = RADIX_BITS) -> dict:
     """Constexprs and launch options for a top-``k`` over ``rows`` rows of at most ``max_seq_len``.
 
     Picked from host-known sizes only (graph-safe). ``S`` (pivot sample) grows with the row so that
@@ -408,12 +439,14 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132) -> 
     # power-of-two SPLIT (fewer distinct compiles): >= ~2 programs per SM, segments >= 8192
     want = max(1, (2 * num_sms) // max(rows, 1))
     split = 1
-    while split * 2 <= min(16, want, max(1, max_seq_len // 8192)):
+    while split * 2 <= min(16, want, max(1, max_seq_len // seg_min)):
         split *= 2
     # register budget (checked with cuobjdump, no spills on sm_90 / sm_120): CAP 4096 -> 8 warps,
     # 2048-wide chunks; CAP 8192 (k > 2048) -> 16 warps, 1024-wide chunks. The merge kernel always
     # takes 16 warps: at 8 it spills 64 B of stack on sm_120 with Triton 3.8 (vLLM 0.33.0's pin).
-    return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024,
+    if bits not in (4, 8):
+        raise ValueError(f"radix digit width must be 4 or 8 bits, got {bits}")
+    return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
 
 
@@ -428,6 +461,45 @@ def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
         off += n
     out["total"] = off
     return out
+
+
+def _as_int32_scratch(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An int32 view of a contiguous scratch buffer of any dtype (vLLM's workspace manager hands
+    out uint8 views), or None when it cannot be viewed so (16-byte aligned sub-buffers need a
+    4-byte multiple)."""
+    if t is None or not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 16:
+        return None
+    return t.reshape(-1).view(torch.int32) if t.dtype != torch.int32 else t.reshape(-1)
+
+
+def topk_workspace_bytes(k: int, max_rows: int, max_seq_len: int, num_sms: int | None = None,
+                         device: torch.device | str | None = None) -> int:
+    """Bytes of scratch that covers every top-k call with at most ``max_rows`` rows of at most
+    ``max_seq_len`` columns (``scratch=`` of the entries; what vLLM reserves in its memory
+    profiling run, from max_num_batched_tokens and max_model_len). The scratch of one call is
+    ``_scratch_layout(rows, k, CAP, SPLIT)`` int32 words: 2 x rows x CAP (candidate keys and
+    positions, the 8 x rows x CAP bytes that dominate at large batch) plus, when rows are split,
+    rows x SPLIT x (k + 2 CAP). SPLIT grows as rows shrink, so the maximum over rows <= max_rows is
+    taken at the largest row count of each SPLIT regime. ``num_sms`` defaults to the SM count the
+    launch uses on ``device`` (8 off CUDA / in the interpreter, as the launch)."""
+    if max_rows <= 0:
+        return 0
+    if num_sms is None:
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or _interpret():
+            num_sms = 8
+        else:
+            num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    cands = {max_rows}
+    for sp in (1, 2, 4, 8, 16):  # largest rows with (2 * sms) // rows >= sp
+        r = (2 * num_sms) // sp
+        if 1 <= r <= max_rows:
+            cands.add(r)
+    words = 0
+    for r in cands:
+        cfg = topk_config(k, max_seq_len, r, num_sms)
+        words = max(words, _scratch_layout(r, k, cfg["CAP"], cfg["SPLIT"])["total"])
+    return 4 * words
 
 
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
@@ -447,27 +519,36 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if rows == 0:
         return out
     sms = 8 if (logits.device.type != "cuda" or _interpret()) else _num_sms(logits.device.index or 0)
-    cfg = topk_config(k, max_seq_len, rows, sms)
+    seg_min = overrides.pop("SEG_MIN", SEG_MIN)
+    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
     lay = _scratch_layout(rows, k, cap, split)
-    if scratch is None or scratch.numel() < lay["total"] or scratch.dtype != torch.int32:
+    scratch = _as_int32_scratch(scratch)
+    if scratch is None or scratch.numel() < lay["total"]:
         scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
     bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
     b = b if b is not None else a
     common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
-    if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
-        _topk_segment_kernel[(rows, split)](
-            *common, K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"], ZSIGMA=cfg["ZSIGMA"], SPLIT=split,
-            num_warps=num_warps,
-        )
-    _topk_merge_kernel[(rows,)](
-        *common, K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"], RCHUNK=cfg["RCHUNK"],
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), GCHUNK=cfg["GCHUNK"], num_warps=merge_warps,
-    )
+    for kern, consts, nw in _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps):
+        kern[(rows, split) if kern is _topk_segment_kernel else (rows,)](*common, **consts, num_warps=nw)
     return out
+
+
+def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int, merge_warps: int):
+    """The kernels one top-k call launches, in order, with their constexprs and warps (used by the
+    launch and by SM120_COMPILE_SPECS, so the specs are exactly what the dispatch launches)."""
+    cap, split = cfg["CAP"], cfg["SPLIT"]
+    plan = []
+    if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
+        plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
+                                                ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
+    plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
+                                          RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
+                                          GCHUNK=cfg["GCHUNK"], BITS=cfg["BITS"]), merge_warps))
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -530,11 +611,8 @@ def persistent_topk(logits: torch.Tensor, lengths: torch.Tensor, output: torch.T
     rows = logits.shape[0]
     if lens.numel() != rows:
         raise ValueError(f"lengths has {lens.numel()} entries for {rows} logits rows")
-    scratch = None
-    if workspace is not None and workspace.is_contiguous() and workspace.numel() * workspace.element_size() % 4 == 0:
-        scratch = workspace.view(torch.int32) if workspace.dtype != torch.int32 else workspace
     _launch(logits, lens, None, output, 1, k, _MODE_ROW_LENGTHS, max(int(max_seq_len), logits.shape[1]),
-            scratch=scratch, **overrides)
+            scratch=workspace, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -603,9 +681,37 @@ def canonical(indices: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+# The inputs the dispatch is enumerated over for the compile specs: the k values upstream's ops
+# take (512 / 1024 / 2048; GLM-5 and DeepSeek-V3.2 use 2048), row lengths at and around every S /
+# CAP tier boundary up to 2M, 1 .. 65536 rows, and the SM counts of the GPUs the stack targets
+# (48: DGX Spark, 84 / 170: RTX 5090-class, 132: H100/H200, 148: B200, 188: RTX PRO 6000) plus
+# the interpreter's 8. The digit width and SEG_MIN stay at their defaults: only overrides change them.
+SPEC_K = (512, 1024, 2048)
+SPEC_MAX_SEQ_LEN = (1, 4096, 4097, 8192, 8193, 16384, 65536, 65537, 262144, 262145, 1 << 20, 1 << 21)
+SPEC_ROWS = tuple(1 << i for i in range(17))
+SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
+
+
+def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, sms=SPEC_SMS) -> list[tuple]:
+    """Every distinct (kernel, constexprs without MODE, num_warps) the dispatch launches over the
+    given inputs (any row mode: MODE only selects the row-range loads)."""
+    seen = {}
+    for k in ks:
+        for L in max_seq_lens:
+            for r in rows:
+                for n in sms:
+                    cfg = topk_config(k, L, r, n)
+                    nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
+                    for kern, consts, w in _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw):
+                        consts = {a: v for a, v in consts.items() if a != "MODE"}
+                        seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+    return sorted(seen.values(), key=lambda t: (t[0].__name__, sorted(t[1].items()), t[2]))
+
+
 def SM120_COMPILE_SPECS() -> list[dict]:
-    """Every configuration ``topk_config`` can choose (k in 512/1024/2048, the three S/CAP tiers,
-    SPLIT 1 and > 1, all row modes), for both kernels."""
+    """Every configuration the dispatch launches (``dispatch_launches``: k, S/CAP tier, SPLIT,
+    digit width, warps), for both kernels. The three row modes only change two scalar loads at the
+    top of the kernels; they rotate over the specs so that each is compiled with every kernel."""
     common_sig = {
         "logits_ptr": "*fp32", "stride_r": "i64", "stride_c": "i64", "a_ptr": "*i32", "b_ptr": "*i32",
         "next_n": "i32", "out_ptr": "*i32", "stride_o": "i64", "seg_gt_ptr": "*i32", "seg_k_ptr": "*i32",
@@ -614,36 +720,15 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     div16 = ["logits_ptr", "out_ptr", "seg_gt_ptr", "seg_k_ptr", "seg_i_ptr", "cat_k_ptr", "cat_i_ptr", "cnt_ptr",
              "win_ptr"]
     specs = []
-    # The three S tiers x SPLIT 1 / > 1 for both kernels at k = 2048 (GLM-5, DeepSeek-V3.2), plus the
-    # k = 512 tier-1 pair. The row modes only change two scalar loads at the top of the kernels; they
-    # rotate over the specs so that each one is compiled at least once (a full cross product takes
-    # ~10 s per spec on a CPU: the unrolled bitonic sorts dominate compile time).
-    combos = []
-    for t, max_len in enumerate((65536, 262144, 1 << 20)):
-        for j, split in enumerate((1, 16)):
-            combos.append((2048, max_len, split, (t + j) % 3))
-    combos.append((512, 65536, 1, _MODE_ROW_LENGTHS))
-    for k, max_len, split, mode in combos:
-        cfg = topk_config(k, max_len)
-        nw = cfg.pop("num_warps")
-        merge_nw = cfg.pop("merge_warps")
-        tag = f"k={k},S={cfg['S']},CAP={cfg['CAP']},split={split},mode={mode}"
+    count = {}
+    for kern, consts, nw in dispatch_launches():
+        i = count[kern.__name__] = count.get(kern.__name__, -1) + 1
+        consts = dict(consts, MODE=i % 3)
+        short = "segment" if kern is _topk_segment_kernel else "merge"
+        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "SPLIT", "BITS", "MODE") if a in consts)
         specs.append({
-            "name": f"dsa_topk_segment[{tag}]", "fn": _topk_segment_kernel,
-            "signature": dict(common_sig, **{n: "constexpr" for n in
-                                             ("K", "MODE", "S", "CAP", "CHUNK", "ZSIGMA", "SPLIT")}),
-            "constexprs": {"K": k, "MODE": mode, "S": cfg["S"], "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
-                           "ZSIGMA": cfg["ZSIGMA"], "SPLIT": split},
-            "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
-        })
-        specs.append({
-            "name": f"dsa_topk_merge[{tag}]", "fn": _topk_merge_kernel,
-            "signature": dict(common_sig, **{n: "constexpr" for n in
-                                             ("K", "KFILL", "MODE", "CAP", "CHUNK", "RCHUNK", "SPLIT", "SPLIT_P",
-                                              "GCHUNK")}),
-            "constexprs": {"K": k, "KFILL": cfg["KFILL"], "MODE": mode, "CAP": cfg["CAP"], "CHUNK": cfg["CHUNK"],
-                           "RCHUNK": cfg["RCHUNK"], "SPLIT": split, "SPLIT_P": triton.next_power_of_2(split),
-                           "GCHUNK": cfg["GCHUNK"]},
-            "divisible_by_16": div16, "num_warps": merge_nw, "num_stages": 1,
+            "name": f"dsa_topk_{short}[{tag},w={nw}]", "fn": kern,
+            "signature": dict(common_sig, **{n: "constexpr" for n in consts}),
+            "constexprs": consts, "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
         })
     return specs

@@ -35,38 +35,41 @@ import triton.language as tl
 __all__ = [
     "mla_kv_cache_write",
     "mla_kv_cache_write_reference",
+    "mla_kv_gather_dequant",
+    "mla_kv_gather_dequant_reference",
     "dequantize_mla_kv_cache",
     "SM120_COMPILE_SPECS",
 ]
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-HEAD_DIM = 576
-DS_GROUP = 128
-DS_ROW_BYTES = 656
+if __package__:
+    from . import mla_kv_format as _kvf
+else:  # loaded by file path, without its package (tools/sm120_check.py)
+    import importlib.util as _ilu
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _kvf = _sys.modules.get("_glm5_mla_kv_format")
+    if _kvf is None:
+        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
+        _kvf = _ilu.module_from_spec(_spec)
+        _sys.modules["_glm5_mla_kv_format"] = _kvf
+        _spec.loader.exec_module(_kvf)
+
+LATENT_DIM = _kvf.LATENT_DIM
+ROPE_DIM = _kvf.ROPE_DIM
+HEAD_DIM = _kvf.HEAD_DIM
+DS_GROUP = _kvf.DS_GROUP
 FP8_MAX = 448.0
 FLT_MIN = 1.1754943508222875e-38
 
-_FMT_DS_MLA = 0
-_FMT_FP8 = 1
-_FMT_16BIT = 2
-_FORMATS = {
-    "fp8_ds_mla": _FMT_DS_MLA,
-    "fp8": _FMT_FP8,
-    "fp8_e4m3": _FMT_FP8,
-    "auto": _FMT_16BIT,
-    "bfloat16": _FMT_16BIT,
-    "bf16": _FMT_16BIT,
-    "float16": _FMT_16BIT,
-    "half": _FMT_16BIT,
-}
+_FMT_DS_MLA = _kvf.FMT_DS_MLA
+_FMT_FP8 = _kvf.FMT_FP8
+_FMT_16BIT = _kvf.FMT_16BIT
 DS_SCALE_FORMATS = ("arbitrary_fp32", "pow2_fp32")
 
 
-def _format_code(kv_format: str) -> int:
-    if kv_format not in _FORMATS:
-        raise ValueError(f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMATS)}")
-    return _FORMATS[kv_format]
+def _format(kv_format: str, model_dtype: torch.dtype) -> "_kvf.KVRowFormat":
+    return _kvf.resolve_kv_format(kv_format, model_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,36 +171,67 @@ def _mla_kv_cache_write_kernel(
                  mask=ok[:, None])
 
 
+@triton.jit(do_not_specialize=["max_tokens", "block_size"])
+def _mla_kv_gather_dequant_kernel(
+    cache_ptr, table_ptr, lens_ptr, starts_ptr, ws_ptr, kscale_ptr,
+    k_scale_f, max_tokens, block_size,
+    stride_kb, stride_ks, stride_br, stride_bb, stride_wt,
+    KV_FORMAT: tl.constexpr,
+    KSCALE_FROM_PTR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Program (i, r): tokens [i * BLOCK_T, (i + 1) * BLOCK_T) of request r, up to its length:
+    cache row (block_table[r, t // block_size], t % block_size) -> workspace row starts[r] + t,
+    dequantized to the workspace dtype (e4m3 x group scale / x k_scale, rounded once)."""
+    GROUP: tl.constexpr = 128
+    ROPE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    r = tl.program_id(1)
+    n = tl.load(lens_ptr + r)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = offs_t < n
+    blk = tl.load(table_ptr + r.to(tl.int64) * stride_br + (offs_t // block_size).to(tl.int64) * stride_bb,
+                  mask=ok, other=0).to(tl.int64)
+    row = blk * stride_kb + (offs_t % block_size).to(tl.int64) * stride_ks  # [BLOCK_T] int64
+    start = tl.load(starts_ptr + r).to(tl.int64)
+    dst = ws_ptr + (start + offs_t.to(tl.int64))[:, None] * stride_wt
+    OT = ws_ptr.dtype.element_ty
+    offs_g = tl.arange(0, GROUP)
+    offs_r = tl.arange(0, ROPE)
+    if KV_FORMAT == 1:
+        if KSCALE_FROM_PTR:
+            ks = tl.load(kscale_ptr)
+        else:
+            ks = k_scale_f
+    for g in tl.static_range(4):
+        cols = g * GROUP + offs_g
+        x = tl.load(cache_ptr + row[:, None] + cols[None, :], mask=ok[:, None], other=0)
+        if KV_FORMAT == 2:
+            y = x.to(OT)
+        else:
+            v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if KV_FORMAT == 0:
+                sp = (cache_ptr + row + (512 + 4 * g)).to(tl.pointer_type(tl.float32))
+                v = v * tl.load(sp, mask=ok, other=0.0)[:, None]
+            else:
+                v = v * ks
+            y = v.to(OT)
+        tl.store(dst + cols[None, :], y, mask=ok[:, None])
+    if KV_FORMAT == 0:
+        rp = (cache_ptr + row + 528).to(tl.pointer_type(OT))
+        y = tl.load(rp[:, None] + offs_r[None, :], mask=ok[:, None], other=0.0)
+    else:
+        x = tl.load(cache_ptr + row[:, None] + (512 + offs_r)[None, :], mask=ok[:, None], other=0)
+        if KV_FORMAT == 1:
+            y = (x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(OT)
+        else:
+            y = x.to(OT)
+    tl.store(dst + (512 + offs_r)[None, :], y, mask=ok[:, None])
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-
-
-def _check_cache(kv_cache: torch.Tensor, code: int, model_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
-    if kv_cache.dim() == 4:
-        if kv_cache.shape[2] != 1:
-            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension")
-    if code == _FMT_16BIT:
-        want = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "half": torch.float16}.get(kv_format, model_dtype)
-        if kv_cache.dtype != want:
-            raise ValueError(f"kv_format {kv_format!r} needs a {want} cache, got {kv_cache.dtype}")
-        width = HEAD_DIM
-    else:
-        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"kv_format {kv_format!r} needs a uint8/float8_e4m3fn cache, got {kv_cache.dtype}")
-        kv_cache = kv_cache.view(torch.uint8)
-        width = DS_ROW_BYTES if code == _FMT_DS_MLA else HEAD_DIM
-    if kv_cache.shape[2] != width:
-        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
-    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
-    return kv_cache
 
 
 def _check_inputs(kv_c, k_pe, slot_mapping):
@@ -247,9 +281,10 @@ def mla_kv_cache_write(
             ``"pow2_fp32"`` (vLLM 0.33.0's writer); see the module docstring.
         validate: debug only (host sync): raise on slots >= num_blocks * block_size.
     """
-    code = _format_code(kv_format)
     k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
-    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    fmt = _format(kv_format, kv_c.dtype)
+    code = fmt.code
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
     if ds_scale_format not in DS_SCALE_FORMATS:
         raise ValueError(f"ds_scale_format must be one of {DS_SCALE_FORMATS}, got {ds_scale_format!r}")
     n = kv_c.shape[0]
@@ -287,6 +322,110 @@ def mla_kv_cache_write(
     )
 
 
+GATHER_BLOCK_T = 16
+
+
+def mla_kv_gather_dequant(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    workspace_starts: torch.Tensor,
+    workspace: torch.Tensor,
+    kv_format: str,
+    k_scale: torch.Tensor | float | None = None,
+    max_seq_len: int | None = None,
+    *,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Dequantize whole request contexts out of the paged cache into a 16-bit workspace.
+
+    Token ``t < seq_lens[r]`` of request ``r`` (cache block ``block_table[r, t // block_size]``,
+    offset ``t % block_size``) lands in ``workspace[workspace_starts[r] + t]`` as 576 values of the
+    workspace's dtype: ``fp8_ds_mla`` e4m3 x its group scale (rope copied), ``fp8`` e4m3 x
+    ``k_scale``, 16-bit copied; each value rounded once from fp32, as the decode kernel
+    dequantizes. The layout of the result is the ``bfloat16``/``float16`` cache format, so a
+    sparse attention over it is ``sparse_mla_decode`` on ``workspace.view(N, 1, 576)`` with
+    request positions offset by ``workspace_starts`` as indices (the prefill workspace design,
+    docs/notes/sparse_mla.md). What vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` does for
+    ``fp8_ds_mla``, for every format.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, W]`` (or ``[.., 1, W]``) in the layout of ``kv_format``.
+        block_table: ``[R, max_blocks]`` int32 (any strides).
+        seq_lens, workspace_starts: ``[R]`` int32, contiguous.
+        workspace: ``[N, 576]`` bf16/fp16, last dimension contiguous (the model dtype: also the
+            dtype of fp8_ds_mla's rope words).
+        max_seq_len: a host bound on every ``seq_lens[r]`` (the grid; no host sync), default
+            ``max_blocks * block_size``.
+        validate: debug only (host sync): raise when a request overflows the workspace or its
+            block table.
+    Returns ``workspace``.
+    """
+    if workspace.dim() != 2 or workspace.shape[1] != HEAD_DIM or workspace.stride(1) != 1:
+        raise ValueError(f"workspace must be [N, {HEAD_DIM}] with a contiguous last dimension, got {tuple(workspace.shape)}")
+    if workspace.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"workspace must be bf16 or fp16, got {workspace.dtype}")
+    fmt = _format(kv_format, workspace.dtype)
+    cache = _kvf.check_kv_cache(kv_cache, fmt, workspace.dtype, kv_format)
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [R, max_blocks], got {tuple(block_table.shape)} {block_table.dtype}")
+    R = block_table.shape[0]
+    for name, t in (("seq_lens", seq_lens), ("workspace_starts", workspace_starts)):
+        if t.shape != (R,) or t.dtype != torch.int32 or (R and t.stride(0) != 1):
+            raise ValueError(f"{name} must be contiguous int32 [R={R}], got {tuple(t.shape)} {t.dtype}")
+    for name, t in (("kv_cache", cache), ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("workspace_starts", workspace_starts)):
+        if t.device != workspace.device:
+            raise ValueError(f"{name} is on {t.device}, workspace on {workspace.device}")
+    block_size = cache.shape[1]
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * block_size
+    if validate and R:
+        lens = seq_lens.long()
+        if bool((lens > block_table.shape[1] * block_size).any() | (lens > max_seq_len).any()):
+            raise ValueError("a seq_len exceeds its block table or max_seq_len")
+        if bool((workspace_starts.long() + lens > workspace.shape[0]).any() | (workspace_starts < 0).any()):
+            raise ValueError(f"a request overflows the workspace of {workspace.shape[0]} rows")
+    kscale_from_ptr = False
+    k_scale_f = 1.0
+    kscale_arg = seq_lens
+    if fmt.code == _FMT_FP8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != workspace.device:
+                raise ValueError("k_scale tensor must hold one float32 on the workspace's device")
+            kscale_from_ptr = True
+            kscale_arg = k_scale
+        elif k_scale is not None:
+            k_scale_f = float(k_scale)
+    if R == 0 or max_seq_len <= 0:
+        return workspace
+    _mla_kv_gather_dequant_kernel[(triton.cdiv(max_seq_len, GATHER_BLOCK_T), R)](
+        cache, block_table, seq_lens, workspace_starts, workspace, kscale_arg,
+        k_scale_f, max_seq_len, block_size,
+        cache.stride(0), cache.stride(1), block_table.stride(0), block_table.stride(1), workspace.stride(0),
+        KV_FORMAT=fmt.code,
+        KSCALE_FROM_PTR=kscale_from_ptr,
+        BLOCK_T=GATHER_BLOCK_T,
+        num_warps=4,
+    )
+    return workspace
+
+
+def mla_kv_gather_dequant_reference(kv_cache, block_table, seq_lens, workspace_starts, workspace, kv_format,
+                                    k_scale=None) -> torch.Tensor:
+    """PyTorch reference of :func:`mla_kv_gather_dequant` (same arguments, same rows written)."""
+    fmt = _format(kv_format, workspace.dtype)
+    cache = _kvf.check_kv_cache(kv_cache, fmt, workspace.dtype, kv_format)
+    bs = cache.shape[1]
+    for r in range(block_table.shape[0]):
+        n = int(seq_lens[r])
+        t = torch.arange(n, device=cache.device)
+        rows = cache[block_table[r, t // bs].long(), t % bs]
+        s0 = int(workspace_starts[r])
+        workspace[s0:s0 + n] = _kvf.dequantize_rows(rows, fmt, k_scale, torch.float32).to(workspace.dtype)
+    return workspace
+
+
 # --------------------------------------------------------------------------------------------
 # References
 # --------------------------------------------------------------------------------------------
@@ -314,9 +453,10 @@ def mla_kv_cache_write_reference(
     ds_scale_format: str = "arbitrary_fp32",
 ) -> None:
     """PyTorch reference of :func:`mla_kv_cache_write` (same arguments, same in-place bytes)."""
-    code = _format_code(kv_format)
     k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
-    cache = _check_cache(kv_cache, code, kv_c.dtype, kv_format)
+    fmt = _format(kv_format, kv_c.dtype)
+    code = fmt.code
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
     nb, bs, w = cache.shape
     n = kv_c.shape[0]
     slots = slot_mapping[:n].to(torch.int64)
@@ -361,19 +501,9 @@ def dequantize_mla_kv_cache(
     ``rope_dtype``: the 16-bit type of the ``fp8_ds_mla`` rope words (the model dtype) and the
     dtype of an ``auto`` cache.
     """
-    code = _format_code(kv_format)
-    cache = _check_cache(kv_cache, code, rope_dtype, kv_format)
-    if code == _FMT_16BIT:
-        return cache.to(torch.float32)
-    if code == _FMT_FP8:
-        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
-        return cache.contiguous().view(torch.float8_e4m3fn).to(torch.float32) * ks
-    c = cache.contiguous()
-    lat = c[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float32)
-    sc = c[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32)
-    lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
-    rope = c[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float32)
-    return torch.cat([lat, rope], dim=-1)
+    fmt = _format(kv_format, rope_dtype)
+    cache = _kvf.check_kv_cache(kv_cache, fmt, None, kv_format)
+    return _kvf.dequantize_rows(cache, fmt, k_scale, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,6 +535,27 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                                    "POW2_SCALE": pow2, "BLOCK_T": 4},
                     "divisible_by_16": ["kvc_ptr", "kpe_ptr", "cache_ptr", "slot_ptr", "kscale_ptr",
                                         "stride_ct", "stride_pt", "stride_kb", "stride_ks"],
+                    "num_warps": 4,
+                    "num_stages": 1,
+                })
+    for ws_t, ws_name in (("*bf16", "bf16"), ("*fp16", "fp16")):
+        for code, fmt in ((_FMT_DS_MLA, "fp8_ds_mla"), (_FMT_FP8, "fp8"), (_FMT_16BIT, "auto")):
+            for kptr in ((True, False) if code == _FMT_FP8 else (False,)):
+                specs.append({
+                    "name": f"mla_kv_gather_dequant[{fmt},{ws_name},kscale_ptr={int(kptr)}]",
+                    "fn": _mla_kv_gather_dequant_kernel,
+                    "signature": {
+                        "cache_ptr": ws_t if code == _FMT_16BIT else "*u8", "table_ptr": "*i32", "lens_ptr": "*i32",
+                        "starts_ptr": "*i32", "ws_ptr": ws_t, "kscale_ptr": "*fp32", "k_scale_f": "fp32",
+                        "max_tokens": "i32", "block_size": "i32",
+                        "stride_kb": "i32", "stride_ks": "i32", "stride_br": "i32", "stride_bb": "constexpr",
+                        "stride_wt": "i32",
+                        "KV_FORMAT": "constexpr", "KSCALE_FROM_PTR": "constexpr", "BLOCK_T": "constexpr",
+                    },
+                    "constexprs": {"stride_bb": 1, "KV_FORMAT": code, "KSCALE_FROM_PTR": kptr,
+                                   "BLOCK_T": GATHER_BLOCK_T},
+                    "divisible_by_16": ["cache_ptr", "table_ptr", "lens_ptr", "starts_ptr", "ws_ptr", "kscale_ptr",
+                                        "stride_kb", "stride_ks", "stride_wt"],
                     "num_warps": 4,
                     "num_stages": 1,
                 })

@@ -9,19 +9,9 @@ slots its DSA indexer selected::
     lse[t, h]   = log(sum_j exp(s[t, h, j]))                                 (natural log)
 
 The KV cache is read in place, in its stored format, one token row per selected index; nothing is
-cast or gathered into a temporary copy. Supported formats (vLLM's ``kv_cache_dtype``):
-
-=================  =====  ================================================================
-format             bytes  one token row
-=================  =====  ================================================================
-``fp8_ds_mla``     656    512 x e4m3 latent, 4 x fp32 scales (one per 128 latent values),
-                          64 x 16-bit rope (the model dtype: bf16 for GLM-5 / DeepSeek)
-``fp8``            576    576 x e4m3 = value / k_scale (one fp32 k_scale per layer)
-``fp8_e4m3``              same as ``fp8``
-``auto``           1152   576 x model dtype (bf16 or fp16; must equal q's dtype)
-``bfloat16``              same as ``auto`` with bf16
-``float16``               same as ``auto`` with fp16
-=================  =====  ================================================================
+cast or gathered into a temporary copy. The formats (vLLM's ``kv_cache_dtype``: ``fp8_ds_mla``
+656 B/token, ``fp8``/``fp8_e4m3`` 576 B/token, ``auto``/``bfloat16``/``float16`` 1152 B/token)
+and their aliases, row layouts and scale placement are defined once in ``mla_kv_format.py``.
 
 Conventions (shared with ``docs/CONVENTIONS.md``):
 
@@ -47,6 +37,12 @@ merges the partial results by their LSE. ``num_splits`` and every tile size are 
 and the device only, so the call is CUDA-graph capturable (no host sync, no data-dependent
 allocation).
 
+Host cost: the arguments are validated and the launch planned once per key (shapes, strides,
+dtypes, devices, scalars, 16-byte pointer alignment); later calls with that key allocate the
+outputs and launch the compiled kernels directly, pointers passed as integers. The environment
+variable ``GLM5_SPARSE_MLA_DISPATCH_CC`` (a compute-capability major, e.g. ``12``) makes the
+dispatch pick another architecture's tile configs (SM120 proxy runs on an H200).
+
 This file imports only torch, triton and the standard library: it runs standalone (tests,
 benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_sparse_mla.py``).
 """
@@ -54,67 +50,44 @@ benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_spa
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _knobs
 
 __all__ = [
     "sparse_mla_decode",
     "sparse_mla_decode_reference",
-    "kv_format_info",
     "SM120_COMPILE_SPECS",
 ]
 
-LATENT_DIM = 512  # kv_lora_rank: V width and the quantized part of K
-ROPE_DIM = 64  # qk_rope_head_dim
-HEAD_DIM = LATENT_DIM + ROPE_DIM  # 576: K width (absorbed q width)
-DS_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
-DS_ROW_BYTES = LATENT_DIM + 4 * 4 + ROPE_DIM * 2  # 656
+if __package__:
+    from . import mla_kv_format as _kvf
+else:  # loaded by file path, without its package (tools/sm120_check.py)
+    import importlib.util as _ilu
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _kvf = _sys.modules.get("_glm5_mla_kv_format")
+    if _kvf is None:
+        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
+        _kvf = _ilu.module_from_spec(_spec)
+        _sys.modules["_glm5_mla_kv_format"] = _kvf
+        _spec.loader.exec_module(_kvf)
+
+LATENT_DIM = _kvf.LATENT_DIM  # kv_lora_rank: V width and the quantized part of K
+ROPE_DIM = _kvf.ROPE_DIM  # qk_rope_head_dim
+HEAD_DIM = _kvf.HEAD_DIM  # 576: K width (absorbed q width)
+DS_GROUP = _kvf.DS_GROUP  # fp8_ds_mla: one fp32 scale per 128 latent values
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 # Kernel-side format codes (constexpr KV_FORMAT).
-_FMT_DS_MLA = 0
-_FMT_FP8 = 1
-_FMT_16BIT = 2
-
-_FORMAT_ALIASES = {
-    "fp8_ds_mla": _FMT_DS_MLA,
-    "fp8": _FMT_FP8,
-    "fp8_e4m3": _FMT_FP8,
-    "auto": _FMT_16BIT,
-    "bfloat16": _FMT_16BIT,
-    "bf16": _FMT_16BIT,
-    "float16": _FMT_16BIT,
-    "half": _FMT_16BIT,
-}
-
-
-def kv_format_info(kv_format: str, model_dtype: torch.dtype | None = None) -> tuple[int, int, torch.dtype]:
-    """Return ``(format_code, row_width, storage_dtype)`` of an MLA KV-cache format name.
-
-    ``row_width`` is in elements of ``storage_dtype`` (uint8 for the fp8 formats). ``model_dtype``
-    resolves ``auto``. Raises ``ValueError`` on an unknown name.
-    """
-    if kv_format not in _FORMAT_ALIASES:
-        raise ValueError(
-            f"unknown MLA kv_format {kv_format!r}; expected one of {sorted(_FORMAT_ALIASES)}"
-        )
-    code = _FORMAT_ALIASES[kv_format]
-    if code == _FMT_DS_MLA:
-        return code, DS_ROW_BYTES, torch.uint8
-    if code == _FMT_FP8:
-        return code, HEAD_DIM, torch.uint8
-    if kv_format in ("bfloat16", "bf16"):
-        dt = torch.bfloat16
-    elif kv_format in ("float16", "half"):
-        dt = torch.float16
-    else:
-        if model_dtype is None:
-            raise ValueError("kv_format 'auto' needs the model dtype (q's dtype)")
-        dt = model_dtype
-    return code, HEAD_DIM, dt
+_FMT_DS_MLA = _kvf.FMT_DS_MLA
+_FMT_FP8 = _kvf.FMT_FP8
+_FMT_16BIT = _kvf.FMT_16BIT
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,6 +373,11 @@ MAX_SPLITS = 64  # the merge kernel handles up to 64 partial results per row
 SM120_SHARED_LIMIT = 101376
 
 
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as a raw handle (what Triton launches on)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_props(index: int) -> tuple[int, int, int]:
     """(major, minor, multiprocessor count) of a CUDA device, cached (no sync after first call)."""
@@ -457,32 +435,225 @@ def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, n
 # --------------------------------------------------------------------------------------------
 
 
-def _as_kv_view(kv_cache: torch.Tensor, code: int, q_dtype: torch.dtype, kv_format: str) -> torch.Tensor:
-    if kv_cache.dim() == 4:
-        if kv_cache.shape[2] != 1:
-            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, W], got {tuple(kv_cache.shape)}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension")
-    _, width, storage = kv_format_info(kv_format, q_dtype)
-    if code == _FMT_16BIT:
-        if kv_cache.dtype != storage:
-            raise ValueError(f"kv_format {kv_format!r} needs a {storage} cache, got {kv_cache.dtype}")
-        if kv_cache.dtype != q_dtype:
-            raise ValueError(f"16-bit kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype}")
+class _Plan:
+    """What a call with one key (shapes, strides, dtypes, devices, scalars; 16-byte aligned
+    pointers) needs, validated and worked out once: output shapes, tile config, grid, the
+    non-tensor kernel arguments, and after the first launch the compiled kernels, which later
+    calls launch directly (no Triton argument binding, specialization or cache lookup)."""
+
+    __slots__ = ("device", "dev_index", "out_dtype", "out_shape", "lse_shape", "po_shape", "plse_shape",
+                 "plse_offset", "scratch_numel",
+                 "kv_squeeze", "kv_u8", "kscale_from_ptr", "split", "grid", "tail", "consts", "meta",
+                 "merge_grid", "merge_tail", "merge_consts", "merge_meta", "kernel", "merge_kernel")
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096  # distinct keys kept; past it the table is cleared (a plan is cheap to rebuild)
+
+
+def _dispatch_major(major: int) -> int:
+    """Compute-capability major whose tile configs the dispatch uses: the device's, unless
+    ``GLM5_SPARSE_MLA_DISPATCH_CC`` (an integer major, e.g. ``12``) forces another's (the SM120
+    proxy runs on an H200 under ``DISABLE_MMA_V3=1``). Read when a plan is made."""
+    env = os.environ.get("GLM5_SPARSE_MLA_DISPATCH_CC", "")
+    if not env:
+        return major
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"GLM5_SPARSE_MLA_DISPATCH_CC must be an integer compute-capability major, got {env!r}") from None
+
+
+def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits, config) -> _Plan:
+    """Validate the arguments (``ValueError`` on anything unsupported) and plan the call."""
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
+    fmt = _kvf.resolve_kv_format(kv_format, q.dtype)
+    code = fmt.code
+    kv = _kvf.check_kv_cache(kv_cache, fmt, q.dtype, kv_format)
+    T, H, _ = q.shape
+    if H < 1:
+        raise ValueError("q needs at least one head")
+    if indices.dim() != 2 or indices.shape[0] != T:
+        raise ValueError(f"indices must be [T={T}, topk], got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    topk = indices.shape[1]
+    for name, tns in (("kv_cache", kv), ("indices", indices)):
+        if tns.device != q.device:
+            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
+    num_blocks, block_size = kv.shape[0], kv.shape[1]
+    num_slots = num_blocks * block_size
+    if num_slots >= 2**31:
+        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
+    if out is not None and (out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32)
+                            or out.device != q.device):
+        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
+    if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device):
+        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
+
+    # k_scale: a host float folds into the scales here; a tensor is read in the kernel.
+    kscale_from_ptr = False
+    v_scale = 1.0
+    qk_scale = float(softmax_scale) * _LOG2E
+    if code == _FMT_FP8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
+                raise ValueError("k_scale tensor must hold one float32 on q's device")
+            kscale_from_ptr = True
+        elif k_scale is not None:
+            v_scale = float(k_scale)
+            qk_scale *= v_scale
+
+    p = _Plan()
+    p.device = q.device
+    p.out_dtype = q.dtype
+    p.out_shape, p.lse_shape = (T, H, LATENT_DIM), (T, H)
+    p.kv_squeeze = kv_cache.dim() == 4
+    p.kv_u8 = code != _FMT_16BIT
+    p.kscale_from_ptr = kscale_from_ptr
+    p.kernel = p.merge_kernel = None
+    p.split, p.grid = False, None
+    if q.is_cuda:
+        p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        major, _, num_sms = _device_props(p.dev_index)
+    else:  # interpreter (TRITON_INTERPRET=1) on CPU
+        p.dev_index = -1
+        major, num_sms = 0, 4
+    if T == 0:
+        return p
+    cfg = dict(_pick_config(H, _dispatch_major(major), T))
+    if config:
+        cfg.update(config)
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    n_hb = triton.cdiv(H, bh)
+    n_tiles = max(1, triton.cdiv(topk, bn))
+    if num_splits is None:
+        num_splits = _pick_num_splits(T, n_hb, topk, bn, num_sms, cfg.get("WAVES", 1))
+    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
+    tiles_per_split = triton.cdiv(n_tiles, num_splits)
+    num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
+    p.split = num_splits > 1
+    p.po_shape, p.plse_shape = (T, H, num_splits, LATENT_DIM), (T, H, num_splits)
+    p.plse_offset = T * H * num_splits * LATENT_DIM * 4  # bytes; a multiple of 16
+    p.scratch_numel = T * H * num_splits * (LATENT_DIM + 1)
+    ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
+    lst = lse.stride() if lse is not None else (H, 1)
+    p.grid = T * n_hb * num_splits
+    p.tail = (qk_scale, v_scale, H, topk, num_slots, block_size,
+              q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+              indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
+              num_splits, tiles_per_split)
+    consts = dict(KV_FORMAT=code, KSCALE_FROM_PTR=kscale_from_ptr, SPLIT=p.split,
+                  DS_FOLD=bool(cfg["DS_FOLD"]) and code == _FMT_DS_MLA, PREFETCH=bool(cfg.get("PREFETCH", True)),
+                  BLOCK_H=bh, BLOCK_N=bn)
+    p.consts = tuple(consts.values())  # in the kernel's parameter order
+    p.meta = dict(consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    p.merge_grid = T * H * (LATENT_DIM // 128)
+    p.merge_tail = (H, num_splits, ost[0], ost[1], ost[2], lst[0], lst[1])
+    block_s = 16 if num_splits <= 16 else MAX_SPLITS
+    p.merge_consts = (block_s, 128)
+    p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=128, num_warps=4)
+    return p
+
+
+def _no_launch_hooks() -> bool:
+    """True when no launch hook is registered (Triton >= 3.6 keeps an always-present, usually
+    empty HookChain; profilers such as proton add to it: then launches take Triton's path)."""
+    rt = _knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return False
+    return True
+
+
+def _compiled(k):
+    """The CompiledKernel a JIT launch returned, if it can be launched directly (else None)."""
+    if k is not None and hasattr(k, "result") and not hasattr(k, "packed_metadata"):
+        k = k.result()
+    return k if hasattr(k, "packed_metadata") and hasattr(k, "function") else None
+
+
+def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bool):
+    if out is None:
+        out = torch.empty(p.out_shape, dtype=p.out_dtype, device=p.device)
+    if lse is None:
+        lse = torch.empty(p.lse_shape, dtype=torch.float32, device=p.device)
+    if p.grid is None:  # T == 0
+        return out, lse
+    k = p.kernel
+    if k is not None and _no_launch_hooks():
+        # Direct launch of the kernels compiled for this plan, pointers passed as integers (the
+        # launcher then skips its per-pointer data_ptr() call and driver attribute query; the
+        # plan's key fixed every tensor's device, dtype, shape, strides and alignment). The
+        # split path's partial results live in one scratch allocation: [po | plse].
+        lp = lse.data_ptr()
+        op = out.data_ptr()
+        if p.split:
+            scratch = torch.empty(p.scratch_numel, dtype=torch.float32, device=p.device)
+            pp = scratch.data_ptr()
+            plp = pp + p.plse_offset
+        else:
+            pp, plp = op, lp  # unused by the kernel
+        stream = _raw_stream(p.dev_index)
+        k.run(p.grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+              q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp,
+              k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.tail, *p.consts)
+        if p.split:
+            m = p.merge_kernel
+            m.run(p.merge_grid, 1, 1, stream, m.function, m.packed_metadata, None, None, None,
+                  pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
+        return out, lse
+    # First launch of a plan, interpreter, misaligned pointers or a launch hook (profilers):
+    # Triton's JIT path (binds, specializes, compiles or finds the kernel, launches).
+    if p.split:
+        po = torch.empty(p.po_shape, dtype=torch.float32, device=p.device)
+        plse = torch.empty(p.plse_shape, dtype=torch.float32, device=p.device)
     else:
-        if kv_cache.element_size() != 1:
-            raise ValueError(f"kv_format {kv_format!r} needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv_cache.dtype}")
-        if kv_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"kv_format {kv_format!r}: unsupported cache dtype {kv_cache.dtype}")
-        kv_cache = kv_cache.view(torch.uint8)
-    if kv_cache.shape[2] != width:
-        raise ValueError(f"kv_format {kv_format!r} needs rows of {width} elements, got {kv_cache.shape[2]}")
-    if code == _FMT_DS_MLA and (kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned (scales are read as fp32)")
-    return kv_cache
+        po, plse = out, lse  # unused by the kernel
+    ks = k_scale if p.kscale_from_ptr else lse  # any valid pointer when unused
+    kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
+    if p.kv_u8:
+        kv = kv.view(torch.uint8)
+    k = _sparse_mla_fwd_kernel[(p.grid,)](q, kv, indices, out, lse, po, plse, ks, *p.tail, **p.meta)
+    m = None
+    if p.split:
+        m = _sparse_mla_merge_kernel[(p.merge_grid,)](po, plse, out, lse, *p.merge_tail, **p.merge_meta)
+    if cache_kernels and q.is_cuda and p.kernel is None:
+        k, m = _compiled(k), _compiled(m)
+        if k is not None and (m is not None or not p.split):
+            p.merge_kernel = m
+            p.kernel = k
+    return out, lse
+
+
+def _plan_key(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits):
+    """The cache key of a call, or None when it must not use a cached plan (a pointer that is not
+    16-byte aligned: Triton specializes kernels on pointer alignment and fp8_ds_mla needs it)."""
+    ptrs = q.data_ptr() | kv_cache.data_ptr() | indices.data_ptr()
+    if out is not None:
+        ptrs |= out.data_ptr()
+        ko = (out.shape, out.stride(), out.dtype, out.get_device())
+    else:
+        ko = None
+    if lse is not None:
+        ptrs |= lse.data_ptr()
+        kl = (lse.shape, lse.stride(), lse.dtype, lse.get_device())
+    else:
+        kl = None
+    if isinstance(k_scale, torch.Tensor):
+        ptrs |= k_scale.data_ptr()
+        ks = (k_scale.shape, k_scale.dtype, k_scale.get_device())
+    else:
+        ks = k_scale
+    if ptrs & 15:
+        return None
+    return (q.shape, q.stride(), q.dtype, q.get_device(),
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(),
+            indices.shape, indices.stride(), indices.dtype, indices.get_device(),
+            softmax_scale, kv_format, ks, ko, kl, num_splits)
 
 
 def sparse_mla_decode(
@@ -513,7 +684,7 @@ def sparse_mla_decode(
             token; ``>= num_blocks * block_size`` = out of range, treated as no token (see the
             module docstring). Any strides. Duplicates count once per occurrence.
         softmax_scale: the scale applied to q.k before the softmax (GLM-5: 256 ** -0.5).
-        kv_format: vLLM ``kv_cache_dtype`` name of the cache layout (see ``kv_format_info``).
+        kv_format: vLLM ``kv_cache_dtype`` name of the cache layout (see ``mla_kv_format.py``).
         k_scale: per-tensor scale of the ``fp8`` format (fp32 tensor with one element, read on the
             device, or a Python float); ignored by ``fp8_ds_mla`` (its scales are in the rows) and
             the 16-bit formats; defaults to 1.0.
@@ -524,141 +695,40 @@ def sparse_mla_decode(
         validate: debug only: check index ranges on the host (synchronizes; not capturable) and
             raise ``ValueError`` on an index >= num_blocks * block_size.
         config: tuning only: override the dispatch's tile config (keys BLOCK_H, BLOCK_N,
-            num_warps, num_stages, DS_FOLD).
+            num_warps, num_stages, DS_FOLD, PREFETCH, WAVES).
 
     Returns:
         ``(out, lse)``: ``out[t, h] = softmax(softmax_scale * q[t, h] . K[idx]) @ V[idx]`` and
         ``lse[t, h]`` its natural-log log-sum-exp; rows with no valid index: zeros and ``-inf``.
+
+    Host cost: the arguments are validated and the launch planned once per key (shapes, strides,
+    dtypes, devices, scalars, 16-byte pointer alignment; ``_plan_key``); later calls with the same
+    key allocate the outputs (when not given) and launch the compiled kernels directly. A call
+    with ``validate`` or ``config``, or with a pointer that is not 16-byte aligned, is planned
+    and launched through Triton's JIT every time.
     """
-    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
-        raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
-    code, _, _ = kv_format_info(kv_format, q.dtype)
-    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
-    T, H, _ = q.shape
-    if H < 1:
-        raise ValueError("q needs at least one head")
-    if indices.dim() != 2 or indices.shape[0] != T:
-        raise ValueError(f"indices must be [T={T}, topk], got {tuple(indices.shape)}")
-    if indices.dtype != torch.int32:
-        raise ValueError(f"indices must be int32, got {indices.dtype}")
-    topk = indices.shape[1]
-    for name, tns in (("kv_cache", kv), ("indices", indices)):
-        if tns.device != q.device:
-            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
-    num_blocks, block_size = kv.shape[0], kv.shape[1]
-    num_slots = num_blocks * block_size
-    if num_slots >= 2**31:
-        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
-
-    if out is None:
-        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
-    elif out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device:
-        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    elif lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
-
-    if validate and T * topk > 0:
-        bad = (indices >= num_slots).any().item()
-        if bad:
+    key = None
+    if not validate and config is None:
+        key = _plan_key(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits)
+        if key is not None:
+            p = _PLANS.get(key)
+            if p is not None:
+                return _launch(p, q, kv_cache, indices, k_scale, out, lse, True)
+    p = _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits, config)
+    if validate and p.grid is not None:
+        num_slots = p.tail[4]
+        if bool((indices >= num_slots).any().item()):
             raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
-
-    # k_scale: host float folds into the scales on the host; a tensor is read in the kernel.
-    kscale_from_ptr = False
-    v_scale = 1.0
-    kscale_arg = lse  # any valid pointer when unused
-    qk_scale = float(softmax_scale) * _LOG2E
-    if code == _FMT_FP8:
-        if isinstance(k_scale, torch.Tensor):
-            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
-                raise ValueError("k_scale tensor must hold one float32 on q's device")
-            kscale_from_ptr = True
-            kscale_arg = k_scale
-        elif k_scale is not None:
-            v_scale = float(k_scale)
-            qk_scale *= v_scale
-
-    if T == 0:
-        return out, lse
-
-    if q.is_cuda:
-        major, _, num_sms = _device_props(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    else:  # interpreter (TRITON_INTERPRET=1) on CPU
-        major, num_sms = 0, 4
-    cfg = dict(_pick_config(H, major, T))
-    if config:
-        cfg.update(config)
-    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    n_hb = triton.cdiv(H, bh)
-    n_tiles = max(1, triton.cdiv(topk, bn))
-    if num_splits is None:
-        num_splits = _pick_num_splits(T, n_hb, topk, bn, num_sms, cfg.get("WAVES", 1))
-    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
-    tiles_per_split = triton.cdiv(n_tiles, num_splits)
-    num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
-    split = num_splits > 1
-
-    if split:
-        po = torch.empty((T, H, num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po, plse = out, lse  # unused
-
-    grid = (T * n_hb * num_splits,)
-    _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, out, lse, po, plse, kscale_arg,
-        qk_scale, v_scale,
-        H, topk, num_slots, block_size,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        num_splits, tiles_per_split,
-        KV_FORMAT=code,
-        KSCALE_FROM_PTR=kscale_from_ptr,
-        SPLIT=split,
-        DS_FOLD=bool(cfg["DS_FOLD"]) and code == _FMT_DS_MLA,
-        PREFETCH=bool(cfg.get("PREFETCH", True)),
-        BLOCK_H=bh,
-        BLOCK_N=bn,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    if split:
-        _sparse_mla_merge_kernel[(T * H * (LATENT_DIM // 128),)](
-            po, plse, out, lse,
-            H, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            BLOCK_S=16 if num_splits <= 16 else MAX_SPLITS,
-            BLOCK_D=128,
-            num_warps=4,
-        )
-    return out, lse
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = p
+    return _launch(p, q, kv_cache, indices, k_scale, out, lse, key is not None)
 
 
 # --------------------------------------------------------------------------------------------
 # Reference (PyTorch, float64 on dequantized values)
 # --------------------------------------------------------------------------------------------
-
-
-def _dequantize_rows(rows: torch.Tensor, code: int, k_scale, rope_dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize gathered cache rows ``[..., W]`` to float64 ``[..., 576]`` (exact values)."""
-    if code == _FMT_DS_MLA:
-        rows = rows.contiguous()
-        lat = rows[..., :LATENT_DIM].view(torch.float8_e4m3fn).to(torch.float64)
-        sc = rows[..., LATENT_DIM:LATENT_DIM + 16].view(torch.float32).to(torch.float64)
-        lat = (lat.unflatten(-1, (4, DS_GROUP)) * sc.unsqueeze(-1)).flatten(-2)
-        rope = rows[..., LATENT_DIM + 16:].view(rope_dtype).to(torch.float64)
-        return torch.cat([lat, rope], dim=-1)
-    if code == _FMT_FP8:
-        ks = 1.0 if k_scale is None else (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else float(k_scale))
-        return rows.contiguous().view(torch.float8_e4m3fn).to(torch.float64) * ks
-    return rows.to(torch.float64)
 
 
 def sparse_mla_decode_reference(
@@ -676,8 +746,8 @@ def sparse_mla_decode_reference(
     computes the softmax in float64. Negative and out-of-range indices contribute nothing;
     duplicates count once per occurrence; a row with no valid index gives zeros and -inf.
     """
-    code, _, _ = kv_format_info(kv_format, q.dtype)
-    kv = _as_kv_view(kv_cache, code, q.dtype, kv_format)
+    fmt = _kvf.resolve_kv_format(kv_format, q.dtype)
+    kv = _kvf.check_kv_cache(kv_cache, fmt, q.dtype, kv_format)
     nb, bs, w = kv.shape
     flat = kv.reshape(nb * bs, w)
     T, H, _ = q.shape
@@ -689,7 +759,7 @@ def sparse_mla_decode_reference(
         idx = idx_all[t0:t1]
         valid = (idx >= 0) & (idx < nb * bs)
         rows = flat[torch.where(valid, idx, 0)]  # [c, topk, W]
-        k = _dequantize_rows(rows, code, k_scale, q.dtype)  # [c, topk, 576] float64
+        k = _kvf.dequantize_rows(rows, fmt, k_scale)  # [c, topk, 576] float64
         qq = q[t0:t1].to(torch.float64)
         s = torch.einsum("chd,ckd->chk", qq, k) * float(softmax_scale)
         s = s.masked_fill(~valid[:, None, :], float("-inf"))

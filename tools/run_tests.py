@@ -3,17 +3,19 @@
 
 On a fresh CPU machine it makes what the tests need and runs them, stopping at the first failure:
 
-  1. venv .venv-test/main: CPU torch 2.13.0, triton of the default pin (pins.lock), the tool's
-     dependencies and test extras (pyproject.toml)    -> pytest tests/
-  2. venv .venv-test/triton-<pin>: CPU torch 2.13.0 + triton of the newest pin
+  1. venv .venv-test/main: torch 2.13.0, triton of the default pin (pins.lock), the tool's
+     dependencies and test extras (pyproject.toml)    -> pytest tests/ e2e/tests/
+  2. venv .venv-test/triton-<pin>: torch 2.13.0 + triton of the newest pin
                                                       -> pytest tests/kernels/test_sm120_compile.py
   3. tools/apply.py check (every pin: apply to a fresh tree, re-export, compare)
   4. for every pin: tools/apply.py fetch/apply/build, install the patched wheel --deps minimal
-     (--no-deps + what the import checks need) into .venv-test/vllm-<pin> (CPU torch 2.13.0),
-     verify (a) wheel content and (b) imports/registrations (report under work/<pin>/), then
-     pytest tests/integration there with GLM5_OVERLAY_REQUIRE_VLLM=1
+     (--no-deps + what the import checks need) into .venv-test/vllm-<pin> (torch 2.13.0),
+     verify (a) wheel content and (b) imports/registrations, then pytest tests/integration there
+     with GLM5_OVERLAY_REQUIRE_VLLM=1. Tree, build and report go to work/test-run/<pin>/, never to
+     the main job's work/<pin>/.
 
-Virtual environments are reused while their requirements hash matches. Options: --skip-vllm
+torch 2.13.0 is whichever build pip finds (the CPU one where it is offered; a CUDA build runs the
+CPU tests as well). Virtual environments are reused while their requirements hash matches. Options: --skip-vllm
 (steps 1-2 only), --keep-going (run every step, fail at the end).
 """
 from __future__ import annotations
@@ -31,7 +33,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VENVS = REPO / ".venv-test"
-CPU_TORCH = "torch==2.13.0"  # the CPU build on this machine's disk (pip's find-links); never a CUDA torch here
+# Any build of torch 2.13.0 will do: the CPU one (what this machine's pip finds first) or a CUDA one
+# (which runs the CPU tests as well); the tests never load vLLM's compiled ops.
+TORCH_VERSION = "2.13.0"
+CPU_TORCH = f"torch=={TORCH_VERSION}"
+TEST_WORK = REPO / "work" / "test-run"
 PY = sys.executable
 
 
@@ -64,12 +70,28 @@ def venv(name: str, requirements: list[str]) -> Path:
     say(f"creating {path.relative_to(REPO)}: {' '.join(requirements)}")
     run([PY, "-m", "venv", str(path)])
     run([str(python), "-m", "pip", "install", "--progress-bar", "off", *requirements])
-    torch = subprocess.run([str(python), "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
-                           capture_output=True, text=True)
-    if "torch" in " ".join(requirements) and ("+cpu" not in torch.stdout and "None" not in torch.stdout):
-        raise SystemExit(f"{path}: expected a CPU torch, got {torch.stdout.strip()} {torch.stderr[-300:]}")
+    if CPU_TORCH in requirements:
+        check_torch(python)
     stamp.write_text(digest + "\n")
     return python
+
+
+def check_torch(python: Path) -> str:
+    """The venv's torch must be 2.13.0, whichever build (+cpu, +cu*, or PyPI's plain one)."""
+    r = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    version = r.stdout.strip()
+    if r.returncode != 0 or version.split("+")[0] != TORCH_VERSION:
+        raise SystemExit(f"{python}: expected torch {TORCH_VERSION} (any build), got "
+                         f"{version or 'none'} {r.stderr[-300:]}")
+    return version
+
+
+def pin_build_command(tool_py: Path, version: str, venv_dir: Path) -> list[str]:
+    """Step 4's build + install + verify of one pin: tree, wheel and report under
+    work/test-run/<pin>/, never the main job's work/<pin>/."""
+    work = TEST_WORK / version
+    return [str(tool_py), "tools/apply.py", "--vllm", version, "--work", str(work / "tree"), "--out", str(work),
+            "--venv", str(venv_dir), "all", "--deps", "minimal", "--no-kernel-tests"]
 
 
 def run(cmd: list[str], env: dict | None = None, allow_no_tests: bool = False) -> None:
@@ -120,7 +142,7 @@ def main() -> int:
 
     def s1():
         main_py.append(venv("main", tests_req))
-        run([str(main_py[0]), "-m", "pytest", "-p", "no:cacheprovider", "tests/"], env=clean_env())
+        run([str(main_py[0]), "-m", "pytest", "-p", "no:cacheprovider", "tests/", "e2e/tests/"], env=clean_env())
 
     def s2():
         compile_test = REPO / "tests" / "kernels" / "test_sm120_compile.py"
@@ -130,7 +152,7 @@ def main() -> int:
         py = venv(f"triton-{newest}", [CPU_TORCH, f"triton{table[newest]['triton']}", "numpy", "pytest", "hypothesis"])
         run([str(py), "-m", "pytest", "-p", "no:cacheprovider", "tests/kernels/test_sm120_compile.py"], env=clean_env())
 
-    ok = step("1. pytest tests/ (torch 2.13.0 CPU, triton " + table[default]["triton"] + ")", s1)
+    ok = step("1. pytest tests/ e2e/tests/ (torch 2.13.0, triton " + table[default]["triton"] + ")", s1)
     if ok or args.keep_going:
         ok = step(f"2. SM120 compile check (triton {table[newest]['triton']})", s2) and ok
     if not args.skip_vllm and (ok or args.keep_going):
@@ -146,8 +168,7 @@ def main() -> int:
 
             def s4(v=v):
                 vpy = venv(f"vllm-{v}", [CPU_TORCH, "pytest", "hypothesis"])
-                run([str(tool_py), "tools/apply.py", "--vllm", v, "--venv", str(vpy.parent.parent), "all",
-                     "--deps", "minimal", "--no-kernel-tests"], env=clean_env())
+                run(pin_build_command(tool_py, v, vpy.parent.parent), env=clean_env())
                 integ = REPO / "tests" / "integration"
                 if integ.is_dir() and any(integ.glob("test_*.py")):
                     run([str(vpy), "-m", "pytest", "-p", "no:cacheprovider", "tests/integration"],

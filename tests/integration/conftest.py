@@ -146,8 +146,8 @@ def glm5_config_dict() -> dict:
 
 
 def triton_indexer_wired() -> bool:
-    """Whether this pin's patched sparse_attn_indexer can run the Triton DSA kernels (both
-    pins' series wire it; a pin whose series does not yet gets an xfail, not a failure)."""
+    """Whether this pin's patched sparse_attn_indexer can run the Triton DSA kernels (every
+    pin's series wires it)."""
     import inspect
 
     from vllm.model_executor.layers import sparse_attn_indexer
@@ -159,7 +159,9 @@ def triton_indexer_wired() -> bool:
 
 @pytest.fixture
 def require_triton_indexer(vllm_module):
+    # Every pin's series wires it: a patched tree without it is a broken patch, so fail.
     if not triton_indexer_wired():
-        pytest.xfail(
-            "the Triton DSA indexer is not wired into this pin's sparse_attn_indexer"
+        pytest.fail(
+            "the Triton DSA indexer is not wired into this pin's sparse_attn_indexer "
+            "(no use_triton_indexer parameter): the pin's indexer patch is missing or broken"
         )

@@ -162,6 +162,29 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
     monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(md))
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
     buffer = torch.full((T + 4, topk), -7, dtype=torch.int32)
+    # upstream's call semantics: DeepGEMM's logits are called with clean_logits=False (0.26.0) or
+    # leave the tail uncleaned (0.33.0): the Triton logits must be called the same way
+    calls = []
+    for name in ("fp8_mqa_logits", "fp8_paged_mqa_logits"):
+        orig = getattr(triton_dsa_indexer, name)
+
+        def spy(*a, _orig=orig, _name=name, **kw):
+            calls.append((_name, kw.get("clean_logits", True)))
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(sai.triton_dsa_indexer, name, spy)
+    # the top-k runs on a scratch from the workspace manager (reserved in the profiling run)
+    from vllm.v1.attention.ops import triton_dsa_topk
+
+    scratches = []
+    for name in ("top_k_per_row_prefill", "top_k_per_row_decode"):
+        orig = getattr(triton_dsa_topk, name)
+
+        def spy_topk(*a, _orig=orig, _name=name, **kw):
+            scratches.append((_name, kw.get("scratch")))
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(sai.triton_dsa_topk, name, spy_topk)
 
     sai.sparse_attn_indexer(
         torch.empty(T, 16),  # hidden_states: only its length is read
@@ -191,3 +214,115 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         ref = _reference_logits(q[t].float(), weights[t], k_deq[r], 0, p + 1)
         _check_topk(buffer[t], ref, topk)
     assert (buffer[T:] == -7).all(), "rows past the step's tokens must be left alone"
+    assert sorted(calls) == [("fp8_mqa_logits", False), ("fp8_paged_mqa_logits", False)], calls
+    want = triton_dsa_topk.topk_workspace_bytes(topk, T, 4096)
+    assert sorted(n for n, _ in scratches) == ["top_k_per_row_decode", "top_k_per_row_prefill"]
+    for name, scr in scratches:
+        assert scr is not None and scr.dtype == torch.uint8 and scr.numel() == want, (name, scr)
+
+
+@pytest.mark.parametrize("use_triton_indexer", [True, False])
+def test_mtp_draft_decode_metadata_skips_deepgemm_with_triton_indexer(
+    require_triton_indexer, monkeypatch, use_triton_indexer
+):
+    """The MTP draft path (`update_draft_decode_metadata`, 0.33.0+) re-derives the decode metadata;
+    with the Triton indexer it must not call DeepGEMM's schedule metadata (DeepGEMM may not run
+    there), without it it still does (upstream's behaviour, so this test can tell them apart)."""
+    import vllm.v1.attention.backends.mla.indexer as idx
+
+    method = getattr(idx.DeepseekV32IndexerMetadataBuilder, "update_draft_decode_metadata", None)
+    if method is None:
+        pytest.skip("this pin has no MTP draft decode metadata update")
+    called = []
+
+    def fake_metadata(*a, **kw):
+        called.append(True)
+        return torch.zeros(3, 2, dtype=torch.int32)
+
+    monkeypatch.setattr(idx, "get_paged_mqa_logits_metadata", fake_metadata)
+    monkeypatch.setattr(idx, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(idx.current_platform, "is_cuda", lambda: True)
+    n = 2
+    decode = types.SimpleNamespace(
+        block_table=torch.zeros(n, 4, dtype=torch.int32),
+        indices=None,
+        per_req_decode_lens=None,
+        seq_lens=torch.zeros(n, 1, dtype=torch.int32),
+        decode_lens=torch.zeros(n, dtype=torch.int32),
+        schedule_metadata=torch.zeros(3, 2, dtype=torch.int32),
+    )
+    md = types.SimpleNamespace(
+        decode=decode,
+        num_decode_tokens=n,
+        num_prefills=0,
+        num_decodes=n,
+        block_table=torch.arange(n * 4, dtype=torch.int32).view(n, 4),
+        seq_lens=torch.tensor([70, 9], dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+    )
+    builder = types.SimpleNamespace(
+        dcp_world_size=1,
+        compress_ratio=1,
+        arange_buffer=torch.arange(16, dtype=torch.int32),
+        use_triton_indexer=use_triton_indexer,
+        num_sms=2,
+        kv_cache_spec=types.SimpleNamespace(num_states=64, block_size=64),
+    )
+    method(builder, md)
+    assert torch.equal(decode.seq_lens.view(-1), md.seq_lens)  # the rest of the update still ran
+    assert torch.equal(decode.block_table, md.block_table)
+    assert called == ([] if use_triton_indexer else [True])
+
+
+@pytest.mark.parametrize("num_tokens", [8, 4096])
+def test_profiling_run_reserves_the_triton_topk_scratch(require_triton_indexer, monkeypatch, num_tokens):
+    """In vLLM's memory-profiling run (no attention metadata) the op reserves, in one workspace
+    request, the K-gather buffers and the Triton top-k's scratch for the run's token count
+    (max_num_batched_tokens there) and max(max_model_len, total_seq_lens) columns, so the profiled
+    peak counts it (and the 1 MiB radix workspace of the compiled top-k is not asked for)."""
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.v1.attention.ops import triton_dsa_topk
+
+    requests = []
+
+    class _Recording(_Workspace):
+        def get_simultaneous(self, *specs):
+            requests.append(specs)
+            return super().get_simultaneous(*specs)
+
+    ctx = _forward_context(None)
+    ctx.attn_metadata = None  # what the profiling (dummy) run has
+    monkeypatch.setattr(sai, "get_forward_context", lambda: ctx)
+    monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Recording())
+    if hasattr(sai, "_reserve_row_shard_exchange_transient"):  # 0.33.0: a DP/PCP exchange buffer
+        monkeypatch.setattr(sai, "_reserve_row_shard_exchange_transient", lambda *a, **k: None)
+    monkeypatch.setattr(sai.envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1, raising=False)
+    topk, max_model_len, total_seq_lens = 2048, 8192, 40960
+    buffer = torch.full((num_tokens, topk), -7, dtype=torch.int32)
+    sai.sparse_attn_indexer(
+        torch.empty(num_tokens, 16),
+        PREFIX,
+        torch.zeros(4, BLOCK, HEAD_DIM + 4, dtype=torch.uint8),
+        torch.zeros(num_tokens, HEADS, HEAD_DIM, dtype=torch.float8_e4m3fn),
+        None,
+        torch.zeros(num_tokens, HEAD_DIM, dtype=torch.bfloat16),
+        torch.zeros(num_tokens, HEADS),
+        128,
+        "ue8m0",
+        topk,
+        HEAD_DIM,
+        max_model_len,
+        total_seq_lens,
+        buffer,
+        False,
+        False,
+        use_triton_indexer=True,
+        **_keywords_of_this_pin(sai.sparse_attn_indexer),
+    )
+    want = triton_dsa_topk.topk_workspace_bytes(topk, num_tokens, max(max_model_len, total_seq_lens), device="cpu")
+    assert want >= 8 * num_tokens * triton_dsa_topk.topk_config(topk, max_model_len)["CAP"]
+    assert len(requests) == 1, requests
+    sizes = [(tuple(shape), dtype) for shape, dtype in requests[0]]
+    assert ((want,), torch.uint8) in sizes, sizes
+    assert ((sai.RADIX_TOPK_WORKSPACE_SIZE,), torch.uint8) not in sizes
+    assert any(shape[0] == total_seq_lens for shape, _ in sizes), sizes  # the K-gather buffers next to it

@@ -253,3 +253,90 @@ def test_split_rows_match_single_program(kind):
     z = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # forced fallback with split
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 600, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
     _check(z, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_digit_widths_are_exact(bits):
+    """Both radix digit widths (BITS 4: 8 passes / 5 sampled, 8: 4 / 3) give the documented top-k on
+    short rows (full 32-bit select), long rows (sampled window + resolve of the window's varying
+    bits) and the forced fallback."""
+    g = torch.Generator().manual_seed(23 + bits)
+    lens = torch.tensor([0, 9, 100, 128, 129, 400, 700], dtype=torch.int32)
+    for kind in ("randn", "ties", "spikes", "negative"):
+        lg = _rows(kind, 7, 700, g)
+        for z in (4.5, -30.0):
+            out = torch.full((7, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 700,
+                              **dict(SMALL, BITS=bits, ZSIGMA=z))
+            _check(out, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_topk_config_rejects_other_digit_widths():
+    with pytest.raises(ValueError, match="4 or 8"):
+        T.topk_config(2048, 4096, bits=5)
+
+
+def test_large_k_counts_past_16_bits():
+    """k > 8192 gives CAP 32768: the resolve's tie/above counts no longer fit the packed 16-bit scan
+    (the unpacked scans run); exact, with ties at the k-th value."""
+    k, n = 8200, 32768
+    g = torch.Generator().manual_seed(31)
+    lg = torch.randn(5, n, generator=g)
+    lg[1] = torch.randint(0, 3, (n,), generator=g).float()  # ~11k ties per value
+    lg[4] = 0.0  # 32768 ties: a packed count reaches 2**31, its last lane's store lands 32769 slots
+    # before the row (inside row 0 of this output: a packed scan shows as a wrong row 0)
+    lens = torch.tensor([n, n, 17000, 9000, n], dtype=torch.int32)
+    assert T.topk_config(k, n)["CAP"] == n
+    out = torch.full((5, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+    _check(out, T.persistent_topk_reference(lg, lens, k))
+
+
+@pytest.mark.parametrize("sms", [8, 132, 188])
+@pytest.mark.parametrize("k,L", [(512, 3000), (2048, 40000), (2048, 300000), (4096, 1 << 20)])
+def test_topk_workspace_bytes_is_the_max_over_calls(sms, k, L):
+    """topk_workspace_bytes(k, R, L) is exactly the largest scratch of any call with <= R rows of
+    <= L columns (brute force over every row count), and grows with R and L."""
+    def need(r, l):
+        cfg = T.topk_config(k, l, r, sms)
+        return 4 * T._scratch_layout(r, k, cfg["CAP"], cfg["SPLIT"])["total"]
+
+    best = 0
+    prev = 0
+    for R in range(1, 3 * sms + 40):
+        best = max(best, need(R, L))
+        got = T.topk_workspace_bytes(k, R, L, num_sms=sms)
+        assert got == best, (R, got, best)
+        assert got >= prev
+        prev = got
+    assert T.topk_workspace_bytes(k, 16384, L, num_sms=sms) >= 8 * 16384 * T.topk_config(k, L)["CAP"]
+    assert T.topk_workspace_bytes(k, 100, 2 * L, num_sms=sms) >= T.topk_workspace_bytes(k, 100, L, num_sms=sms)
+    assert T.topk_workspace_bytes(k, 0, L) == 0
+
+
+def test_byte_workspace_of_that_size_is_used():
+    """A uint8 workspace (vLLM's workspace manager) of topk_workspace_bytes is viewed as the
+    scratch (written, no allocation of its own) and gives the exact result."""
+    g = torch.Generator().manual_seed(41)
+    lg = torch.randn(3, 600, generator=g)
+    lens = torch.tensor([600, 300, 20], dtype=torch.int32)
+    cfg = dict(SMALL, SPLIT=3)
+    words = T._scratch_layout(3, K_SMALL, cfg["CAP"], cfg["SPLIT"])["total"]
+    ws = torch.full((4 * words + 64,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    out = torch.full((3, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, ws, K_SMALL, 600, **cfg)
+    _check(out, T.persistent_topk_reference(lg, lens, K_SMALL))
+    assert (ws[: 4 * words] != 0xAB).any(), "the workspace was not used as the scratch"
+    out2 = torch.full((3, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_decode(lg.to(DEVICE), 1, lens.view(3, 1).to(DEVICE), out2, 3, lg.stride(0), 1, K_SMALL,
+                           scratch=ws, **cfg)
+    _check(out2, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+def test_empty_batch_launches_nothing():
+    out = torch.empty(0, K_SMALL, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(torch.empty(0, 300, device=DEVICE), torch.empty(0, dtype=torch.int32, device=DEVICE), out,
+                      None, K_SMALL, 300, **SMALL)
+    T.top_k_per_row_decode(torch.empty(0, 300, device=DEVICE), 1, torch.empty(0, dtype=torch.int32, device=DEVICE),
+                           out, 0, 300, 1, K_SMALL, **SMALL)
+    assert out.shape == (0, K_SMALL)

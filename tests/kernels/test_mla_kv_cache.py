@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """MLA KV-cache writer: bytes vs the PyTorch reference of vLLM's writer (CPU interpreter and GPU),
-and on the GPU vs vLLM's own compiled writer kernels (0.26.0 and 0.33.0 cubins staged in .peers/)."""
+and on the GPU vs vLLM's own compiled writer kernels (0.26.0 and 0.33.0 cubins, staged in
+.peers-carry/ by e2e/gpu_tests.py --prepare)."""
 
 from __future__ import annotations
 
@@ -156,7 +157,9 @@ def test_write_property(n, bs, fmt, sf):
 # GPU: GLM-5-sized writes, and byte equality with vLLM's compiled writer kernels
 # --------------------------------------------------------------------------------------------
 
-CUBINS = ROOT / ".peers" / "vllm_cubins"
+# staged by `python3 e2e/gpu_tests.py --prepare` (.peers-carry/) or bench/sparse_mla_decode.py
+# --prepare-peers (.peers/); required under GLM5_REQUIRE_PEERS=1 (tests/kernels/vllm_peers.py)
+CUBIN_DIRS = (ROOT / ".peers-carry" / "vllm_cubins", ROOT / ".peers" / "vllm_cubins")
 _MANGLED = {  # <bf16 input, uint8 cache, kFp8E4M3>; 0.33.0 added a `skip_scale` bool (false) to the fp8 writer
     ("0.26.0", "fp8_ds_mla"): "_ZN4vllm30concat_and_cache_ds_mla_kernelI13__nv_bfloat16hLNS_18Fp8KVCacheDataTypeE1EEEvPKT_S5_PT0_PKliiiiiiiPKf",
     ("0.33.0", "fp8_ds_mla"): "_ZN4vllm30concat_and_cache_ds_mla_kernelI13__nv_bfloat16hLNS_18Fp8KVCacheDataTypeE1EEEvPKT_S5_PT0_PKliiiiiiiPKf",
@@ -167,12 +170,18 @@ _MANGLED = {  # <bf16 input, uint8 cache, kFp8E4M3>; 0.33.0 added a `skip_scale`
 
 def _vllm_write(version, fmt, kv_c, k_pe, cache, slots, k_scale):
     """Run vLLM's own writer kernel (sm_90 cubin from the release wheel) via CuPy."""
-    cp = pytest.importorskip("cupy")
+    from tests.kernels import vllm_peers
+
+    try:
+        import cupy as cp
+    except ImportError:
+        vllm_peers.unavailable("CuPy is not installed (it launches vLLM's writer cubins)")
     import numpy as np
 
-    path = CUBINS / f"cache_kernels_sm90_{version}.cubin"
-    if not path.exists():
-        pytest.skip(f"{path} not staged (python bench/sparse_mla_decode.py --prepare-peers)")
+    name = f"cache_kernels_sm90_{version}.cubin"
+    path = next((d / name for d in CUBIN_DIRS if (d / name).exists()), None)
+    if path is None:
+        vllm_peers.unavailable(f"{name} not staged (python3 e2e/gpu_tests.py --prepare)")
     mod = cp.RawModule(path=str(path))
     fn = mod.get_function(_MANGLED[(version, fmt)])
     n = kv_c.shape[0]
@@ -213,3 +222,66 @@ def test_write_bytes_equal_vllm_kernel(version, fmt, sf, seed):
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "bfloat16"])
 def test_write_gpu_large(fmt, seed):
     _check(fmt, torch.bfloat16, 8192, 160, 64, "cuda", strided=True, k_scale=0.02 if fmt == "fp8" else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Gather + dequantize whole request contexts into a 16-bit workspace
+# --------------------------------------------------------------------------------------------
+
+from kernels.mla_kv_format import dequantize_rows, resolve_kv_format  # noqa: E402
+from kernels.triton_mla_kv_cache import mla_kv_gather_dequant, mla_kv_gather_dequant_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt, kscale_tensor", [("fp8_ds_mla", False), ("fp8", False), ("fp8", True), ("auto", False)])
+def test_gather_dequant_matches_reference(fmt, kscale_tensor, seed):
+    """Two requests of different lengths (one not a block multiple, one spanning blocks of a
+    shuffled table) land at their workspace offsets, bit-identical to the reference; rows outside
+    the requests stay untouched; a zero-length request writes nothing."""
+    dev = DEV
+    dt = torch.bfloat16 if dev == "cuda" else torch.float16  # the interpreter: fp16 (see test_sparse_mla.py)
+    nb, bs = 6, 16
+    ks = 0.05
+    cache = _cache(fmt, nb, bs, dt, dev)
+    n = nb * bs
+    kv_c, k_pe = _inputs(n, dt, dev)
+    mla_kv_cache_write_reference(kv_c, k_pe, cache, torch.arange(n, device=dev), fmt, ks if fmt == "fp8" else None)
+    table = torch.tensor([[4, 1, 0, 0], [2, 5, 3, 0], [0, 0, 0, 0]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([21, 40, 0], dtype=torch.int32, device=dev)
+    starts = torch.tensor([3, 30, 70], dtype=torch.int32, device=dev)
+    k_arg = (torch.tensor([ks], device=dev) if kscale_tensor else ks) if fmt == "fp8" else None
+    ws = torch.full((80, 576), float("nan"), dtype=dt, device=dev)
+    mla_kv_gather_dequant(cache, table, lens, starts, ws, fmt, k_arg, validate=True)
+    ref = torch.full_like(ws, float("nan"))
+    mla_kv_gather_dequant_reference(cache, table, lens, starts, ref, fmt, k_arg)
+    assert torch.equal(ws.isnan(), ref.isnan())
+    assert torch.equal(torch.nan_to_num(ws), torch.nan_to_num(ref))
+    written = torch.zeros(80, dtype=torch.bool)
+    written[3:24] = True
+    written[30:70] = True
+    assert not ws[written.to(dev)].isnan().any() and ws[~written.to(dev)].isnan().all()
+    # token 17 of request 1 = block table[1, 1] = 5, offset 1
+    f = resolve_kv_format(fmt, dt)
+    row = dequantize_rows(cache.view(-1, cache.shape[-1])[5 * bs + 1], f, k_arg, torch.float32)
+    assert torch.equal(ws[30 + 17], row.to(dt))
+
+
+def test_gather_dequant_errors():
+    cache = torch.zeros((2, 16, 656), dtype=torch.uint8)
+    ws = torch.zeros((40, 576), dtype=torch.float16)
+    t = torch.zeros((1, 2), dtype=torch.int32)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="workspace must be"):
+        mla_kv_gather_dequant(cache, t, one, one, ws[:, :512], "fp8_ds_mla")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        mla_kv_gather_dequant(cache, t, one, one, ws.float(), "fp8_ds_mla")
+    with pytest.raises(ValueError, match="block_table"):
+        mla_kv_gather_dequant(cache, t.long(), one, one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_kv_gather_dequant(cache, t, one.long(), one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="rows of 656"):
+        mla_kv_gather_dequant(cache[..., :576], t, one, one, ws, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="overflows the workspace"):
+        mla_kv_gather_dequant(cache, t, torch.tensor([20], dtype=torch.int32), torch.tensor([30], dtype=torch.int32),
+                              ws, "fp8_ds_mla", validate=True)
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        mla_kv_gather_dequant(cache, t, torch.tensor([33], dtype=torch.int32), one, ws, "fp8_ds_mla", validate=True)

@@ -219,3 +219,31 @@ def test_kernel_tests_run_in_the_environment(tmp_path):
     (d / "test_k.py").write_text("def test_bad():\n    assert 1 == 2\n")
     res = kernel_tests(__import__("pathlib").Path(sys.executable), root, d, cuda=False)
     assert not res["ok"] and "1 failed" in res["summary"]
+
+
+def test_kernel_tests_show_progress_while_they_run(tmp_path):
+    """verify (c) streams pytest's output: the first test's result arrives while a later test is
+    still running, not after the run."""
+    import time
+
+    from overlay_tool.verify import kernel_tests
+
+    root = tmp_path / "proj"
+    d = root / "tests" / "kernels"
+    d.mkdir(parents=True)
+    gate = tmp_path / "gate"
+    (d / "test_slow.py").write_text(
+        "import pathlib, time\n\ndef test_fast():\n    pass\n\n"
+        f"def test_waits_for_the_first_dot():\n    gate = pathlib.Path({str(gate)!r})\n"
+        "    t = time.time()\n    while not gate.exists():\n        assert time.time() - t < 60, 'no progress was streamed'\n"
+        "        time.sleep(0.05)\n")
+    seen = []
+
+    def echo(chunk: bytes) -> None:
+        seen.append((time.time(), chunk))
+        if b"." in chunk:
+            gate.touch()
+
+    res = kernel_tests(__import__("pathlib").Path(sys.executable), root, d, cuda=False, echo=echo)
+    assert res["ok"] and "2 passed" in res["summary"], res
+    assert b"2 passed" in b"".join(c for _, c in seen)

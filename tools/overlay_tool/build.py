@@ -8,7 +8,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,8 @@ from .errors import ExternalError, RefusedError, ToolError
 from .patches import FIXED_EPOCH, PatchFile
 from .pins import Pin
 from .project import OverlayFile, sha256_file
-from .tree import Tree, progress
+from .safety import child_kwargs, owned_tempdir
+from .tree import Tree, _fault, progress
 
 LOCAL_TAG = "glm5"
 
@@ -93,7 +93,7 @@ def build_wheel(
         return BuildResult(dest, version, "", head, drift)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = tree.g.run("ls-files", "-z").stdout.decode("utf-8").split("\0")
-    with tempfile.TemporaryDirectory(prefix="glm5-build-", dir=out_dir) as td:
+    with owned_tempdir("glm5-build-", out_dir) as td:
         staging = Path(td) / f"vllm-{version}"
         with progress(total=len(files), desc="staging tree", unit="file") as bar:
             for rel in files:
@@ -143,7 +143,7 @@ def _pack(staging: Path, out: Path, total: int) -> None:
     """`wheel pack` (rewrites RECORD), with zip times fixed for a reproducible wheel."""
     env = dict(os.environ, SOURCE_DATE_EPOCH=str(FIXED_EPOCH))
     cmd = [sys.executable, "-m", "wheel", "pack", "--dest-dir", str(out), str(staging)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **child_kwargs())
     done = threading.Event()
 
     def watch():
@@ -156,9 +156,16 @@ def _pack(staging: Path, out: Path, total: int) -> None:
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    output, _ = proc.communicate()
-    done.set()
-    t.join()
+    try:
+        _fault("during-pack")
+        output, _ = proc.communicate()
+    except BaseException:  # Ctrl-C / SIGTERM: no orphaned `wheel pack` writing on
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        done.set()
+        t.join()
     if proc.returncode != 0:
         raise ExternalError(f"{shlex.join(cmd)} failed:\n{output.decode('utf-8', 'replace')[-2000:]}")
 
@@ -182,10 +189,10 @@ def build_checkout(tree: Tree, pin: Pin, release_wheel: Path, version: str, out_
             f"VLLM_VERSION_OVERRIDE={version} pip wheel --no-deps {tree.path}")
         return BuildResult(out_dir / "?", version, "", head or "", False)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="glm5-build-", dir=out_dir) as td:
+    with owned_tempdir("glm5-build-", out_dir) as td:
         full = cmd + [td] + (["--no-build-isolation"] if no_build_isolation else []) + [str(tree.path)]
         log(f"building {tree.path} with VLLM_USE_PRECOMPILED=1 against {release_wheel.name} ...")
-        r = subprocess.run(full, env=env)
+        r = subprocess.run(full, env=env, **child_kwargs())
         if r.returncode != 0:
             raise ExternalError(f"{shlex.join(full)} failed (exit {r.returncode})")
         wheels = list(Path(td).glob("*.whl"))

@@ -29,25 +29,68 @@ subcommands:
   status     pin, applied patches, unexported commits, drift, installed build
   check      apply each pin's series to a fresh tree, re-export, fail if it differs (the CI gate)
   refresh    export the tree's commits to patches/<version>/ (deterministic)
+  recover    undo an interrupted apply now (what apply/build do first); --forget drops its record
   revert     put stock vLLM back into the venv;   uninstall: remove the patched vLLM from the venv
   export-pr  one format-patch series per concern for upstream, DCO signed-off, with PR.md
+
+Commands that write to a tree (all, apply, build, refresh, recover) take the tree's lock; a second
+one fails at once with exit 5 (--wait: wait for the lock instead).
 """
 
-VERBS = ["all", "fetch", "apply", "build", "install", "verify", "status", "check", "refresh", "revert", "uninstall", "export-pr"]
+# verb -> one-line description (the first line of `<verb> --help`)
+VERB_HELP = {
+    "all": "fetch -> apply -> build -> install -> verify (what `tools/apply.py` without a subcommand does)",
+    "fetch": "download the pinned release wheel with pip into the cache and check its sha256",
+    "apply": "make the tree and apply patches/<version>/series and overlay/ + kernels/ to it, all or nothing",
+    "build": "repack the patched tree as vllm-<version>+glm5.<hash> (release binaries reused unchanged)",
+    "install": "install the last built wheel into a virtual environment (default: one per pin)",
+    "verify": "check the built wheel, the installed vLLM's imports and registrations, and run tests/kernels",
+    "status": "show the pin, the tree's patches, unexported commits, drift, interruptions and the installed build",
+    "check": "apply each pin's series to a fresh tree, re-export and fail if anything differs (the CI gate)",
+    "refresh": "export the tree's patch commits to patches/<version>/ (series + files, deterministic)",
+    "recover": "undo an interrupted apply in the tree now (refuses when the tree changed since), or --forget its record",
+    "revert": "put stock vLLM of the pin back into the environment",
+    "uninstall": "remove the patched vLLM from the environment",
+    "export-pr": "write one format-patch series + PR.md per concern for upstream, DCO signed-off",
+}
+VERBS = list(VERB_HELP)
+
+# common option -> the verbs it applies to (the top-level parser takes every one of them)
+_TREE = {"all", "apply", "build", "verify", "status", "refresh", "recover"}
+OPTION_VERBS = {
+    "--vllm": set(VERBS),
+    "--work": _TREE,
+    "--checkout": _TREE,
+    "--venv": {"all", "install", "verify", "status", "revert", "uninstall"},
+    "--wheel-cache": {"all", "fetch", "apply", "build", "verify", "status", "check", "revert", "export-pr"},
+    "--out": {"all", "build", "install", "verify", "status", "export-pr"},
+    "--dry-run": {"all", "fetch", "apply", "build", "install", "refresh", "revert", "uninstall", "export-pr"},
+    "--wait": {"all", "apply", "build", "refresh", "recover"},
+    "--debug": set(VERBS),
+}
+WRITES_TREE = {"all", "apply", "build", "refresh", "recover"}
 
 
-def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
+def _common(p: argparse.ArgumentParser, suppress: bool, verb: str | None = None) -> None:
     d = argparse.SUPPRESS if suppress else None
     g = p.add_argument_group("common options")
-    g.add_argument("--vllm", metavar="VERSION", default=d, help="the pin to use (default: pins.lock's default; check: every pin)")
-    g.add_argument("--work", metavar="DIR", default=d, help="the tool's vLLM git tree (default: work/<version>/tree)")
-    g.add_argument("--checkout", metavar="PATH", default=d, help="use your own vLLM git checkout (clean, at tag v<version>) instead")
-    g.add_argument("--venv", metavar="DIR", default=d, help="environment to install into (default: .venv-vllm-<version>; 'current': this one)")
-    g.add_argument("--wheel-cache", metavar="DIR", default=d, help="release wheel cache (default: $GLM5_OVERLAY_WHEELS or ~/.cache/glm5-overlay/wheels)")
-    g.add_argument("--out", metavar="DIR", default=d, help="reports and built wheels (default: work/<version>/); export-pr: output folder")
+
+    def add(flag, **kw):
+        if verb is None or verb in OPTION_VERBS[flag]:
+            g.add_argument(flag, **kw)
+
+    add("--vllm", metavar="VERSION", default=d, help="the pin to use (default: pins.lock's default; check: every pin)")
+    add("--work", metavar="DIR", default=d, help="the tool's vLLM git tree (default: work/<version>/tree)")
+    add("--checkout", metavar="PATH", default=d, help="use your own vLLM git checkout (clean, at tag v<version>) instead")
+    add("--venv", metavar="DIR", default=d, help="environment to install into (default: .venv-vllm-<version>; 'current': this one)")
+    add("--wheel-cache", metavar="DIR", default=d, help="release wheel cache (default: $GLM5_OVERLAY_WHEELS or ~/.cache/glm5-overlay/wheels)")
+    add("--out", metavar="DIR", default=d, help="reports and built wheels (default: work/<version>/); export-pr: output folder")
     g.add_argument("--project", metavar="DIR", default=d, help=argparse.SUPPRESS)
     g.add_argument("--lock", metavar="FILE", default=d, help=argparse.SUPPRESS)
-    g.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS if suppress else False, help="say what would change, change nothing")
+    flag_default = argparse.SUPPRESS if suppress else False
+    add("--dry-run", action="store_true", default=flag_default, help="say what would change, change nothing")
+    add("--wait", action="store_true", default=flag_default, help="if another command holds the tree's lock, wait for it (default: exit 5 at once)")
+    add("--debug", action="store_true", default=flag_default, help="print the traceback of an internal error")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,8 +102,17 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="SUBCOMMAND")
     sp = {}
     for v in VERBS:
-        sp[v] = sub.add_parser(v, epilog=errors.EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-        _common(sp[v], suppress=True)
+        sp[v] = sub.add_parser(v, description=VERB_HELP[v], epilog=errors.EXIT_CODES_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        _common(sp[v], suppress=True, verb=v)
+    for v in ("all", "apply"):
+        sp[v].add_argument("--rebuild", action="store_true",
+                           help="re-apply the series from the baseline, replacing the tree's patch commits (keep patches/ "
+                                "over the tree; refused when the tree holds unexported commits, unless --force)")
+        sp[v].add_argument("--force", action="store_true", help="with --rebuild: replace unexported commits too (the old HEAD is kept as a ref)")
+    sp["refresh"].add_argument("--force", action="store_true", help="overwrite patches/<version> even if it was edited after the tree's last apply/refresh")
+    sp["refresh"].add_argument("--allow-fewer", action="store_true", help="allow exporting fewer patches than the series holds")
+    sp["recover"].add_argument("--forget", action="store_true", help="drop the record of the interrupted command and leave the tree as it is")
     for v in ("all", "build"):
         sp[v].add_argument("--allow-drift", action="store_true", help="build even if the tree has commits not in patches/ (version gets .wip<commit>)")
         sp[v].add_argument("--no-build-isolation", action="store_true", help="--checkout builds: pass --no-build-isolation to pip wheel")
@@ -89,6 +141,8 @@ class Ctx:
         self.checkout = g("checkout")
         self.venv_arg = g("venv")
         self.out_arg = g("out")
+        self.wait = bool(g("wait", False))
+        self.t_start = time.time()
         if self.work and self.checkout:
             raise UsageError("--work and --checkout exclude each other")
 
@@ -113,7 +167,13 @@ def log(msg: str = "") -> None:
 def step_fetch(ctx: Ctx, pin) -> Path:
     from .fetch import fetch
 
-    return fetch(pin, ctx.cache, ctx.dry_run, log)
+    done = getattr(ctx, "_fetched", {})
+    if pin.version not in done:
+        t0 = time.time()
+        done[pin.version] = fetch(pin, ctx.cache, ctx.dry_run, log)
+        ctx._fetched = done
+        ctx.fetch_s = round(time.time() - t0, 1)  # run() fetches before taking the lock: `all` reports this
+    return done[pin.version]
 
 
 def step_apply(ctx: Ctx, pin, wheel: Path):
@@ -125,6 +185,9 @@ def step_apply(ctx: Ctx, pin, wheel: Path):
     ctx.project.verify_spec()  # malformed overlay/verify.toml or CONCERNS.toml: fail before changing anything
     ctx.project.concerns_spec()
     path, managed = ctx.tree_path(pin)
+    from .patches import patches_fingerprint
+
+    fingerprint = patches_fingerprint(ctx.project.patches_dir(pin))
     if managed and not path.exists():
         if ctx.dry_run:
             log(f"would create {path} from {wheel.name} (tag {pin.tag}) and apply {len(patches)} patch(es) + {len(overlay)} overlay file(s)")
@@ -147,7 +210,8 @@ def step_apply(ctx: Ctx, pin, wheel: Path):
         if msg:
             log(f"recovered: {msg}")
         try:
-            sim = tree.apply(patches, overlay, dry_run=ctx.dry_run)
+            sim = tree.apply(patches, overlay, dry_run=ctx.dry_run, fingerprint=fingerprint,
+                             rebuild=getattr(ctx.ns, "rebuild", False), force=getattr(ctx.ns, "force", False))
         except KeyboardInterrupt:
             raise ToolError(f"interrupted before anything was changed; {path} is as it was", errors.INTERRUPTED) from None
     except BaseException:
@@ -311,6 +375,43 @@ def run(ns: argparse.Namespace) -> int:
     if verb == "check":
         return cmd_check(ctx)
     pin = ctx.pin
+    if not ctx.dry_run:
+        _clean_stale(ctx, pin)
+    if verb in WRITES_TREE and not ctx.dry_run:  # a dry run writes nothing: no lock, no work/ folder
+        from .safety import TreeLock
+        from .tree import lock_path
+
+        path, managed = ctx.tree_path(pin)
+        if not managed and not path.exists():
+            raise UsageError(f"--checkout {path} does not exist")
+        if not path.exists() and verb not in ("all", "apply"):
+            raise UsageError(f"{path} does not exist: run apply first")
+        if verb in ("all", "apply", "build"):
+            step_fetch(ctx, pin)  # before the lock: the cache is shared, and a failed fetch leaves no work/ folder
+        with TreeLock(lock_path(path, managed), str(path), ctx.wait, log):
+            return run_verb(ctx, verb, pin)
+    return run_verb(ctx, verb, pin)
+
+
+def _clean_stale(ctx: Ctx, pin) -> None:
+    """Remove what killed runs left for this pin (their owners are dead): temporary trees, build
+    folders, downloads. Live runs' folders are kept (their owner files are locked)."""
+    from .safety import clean_stale
+
+    path, managed = ctx.tree_path(pin)
+    removed = []
+    if managed:
+        removed += clean_stale(path.parent, f"{path.name}.tmp-")
+    removed += clean_stale(ctx.out_dir(pin) / "dist", "glm5-build-")
+    removed += clean_stale(ctx.cache, ".download-")
+    for d in removed:
+        log(f"removed {d} (left by a run that was killed)")
+
+
+def run_verb(ctx: Ctx, verb: str, pin) -> int:
+    ns = ctx.ns
+    if verb == "recover":
+        return cmd_recover(ctx, pin)
     if verb == "fetch":
         step_fetch(ctx, pin)
         return 0
@@ -330,7 +431,8 @@ def run(ns: argparse.Namespace) -> int:
     if verb == "refresh":
         from .ops import refresh
 
-        refresh(_open_tree(ctx, pin), ctx.project, ctx.dry_run, log)
+        refresh(_open_tree(ctx, pin), ctx.project, ctx.dry_run, log,
+                force=getattr(ns, "force", False), allow_fewer=getattr(ns, "allow_fewer", False))
         return 0
     if verb == "export-pr":
         from .ops import export_pr
@@ -339,7 +441,7 @@ def run(ns: argparse.Namespace) -> int:
         wheel = step_fetch(ctx, pin)
         export_pr(ctx.project, pin, wheel, out, ns.concern, ns.signoff, ns.include_not_needed, ctx.dry_run, log)
         return 0
-    t_start = time.time()
+    t_start = ctx.t_start
     wheel = step_fetch(ctx, pin)
     if verb == "apply":
         step_apply(ctx, pin, wheel)
@@ -364,7 +466,7 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError(f"{v.path} is not a virtual environment: run install first")
         return step_verify(ctx, pin, wheel, tree, load_series(ctx.project.patches_dir(pin)), ctx.project.overlay_files(), build, v, "unknown")
     # all: fetch -> apply -> build -> install -> verify
-    timings = {"fetch_s": round(time.time() - t_start, 1)}
+    timings = {"fetch_s": getattr(ctx, "fetch_s", round(time.time() - t_start, 1))}
     t0 = time.time()
     tree, sim, patches, overlay = step_apply(ctx, pin, wheel)
     timings["apply_s"] = round(time.time() - t0, 1)
@@ -405,6 +507,17 @@ def cmd_status(ctx: Ctx, pin) -> int:
     return 0
 
 
+def cmd_recover(ctx: Ctx, pin) -> int:
+    tree = _open_tree(ctx, pin)
+    if getattr(ctx.ns, "forget", False):
+        what = tree.forget_journal()
+        log(f"{tree.path}: dropped the record of {what}; the tree was left as it is" if what else f"{tree.path}: nothing to forget")
+        return 0
+    msg = tree.recover()
+    log(f"recovered: {msg}" if msg else f"{tree.path}: nothing to recover")
+    return 0
+
+
 def cmd_check(ctx: Ctx) -> int:
     from .ops import check
 
@@ -425,16 +538,31 @@ def cmd_check(ctx: Ctx) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .safety import clean_stale_tmp, handle_signals
+
+    handle_signals()  # SIGTERM / SIGHUP: like Ctrl-C (roll back, exit 130)
     ns = parser().parse_args(argv)
+    debug = bool(getattr(ns, "debug", False))
     try:
+        clean_stale_tmp()  # temporary indexes/trees of runs that were killed
         return run(ns)
     except ToolError as e:
+        if debug:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr, flush=True)
         return errors.INTERRUPTED
-    except Exception:
-        traceback.print_exc()
-        print("error: internal error (a bug in tools/apply.py)", file=sys.stderr)
+    except OSError as e:  # permission denied, disk full, read-only file system, ...
+        if debug:
+            traceback.print_exc()
+        where = f": {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") if e.filename else ""
+        print(f"error: {e.strerror or e}{where} (file system error; nothing further was changed)", file=sys.stderr, flush=True)
+        return errors.FILESYSTEM
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: internal error (a bug in tools/apply.py): {type(e).__name__}: {e}"
+              + ("" if debug else "; run again with --debug for the traceback"), file=sys.stderr, flush=True)
         return errors.INTERNAL

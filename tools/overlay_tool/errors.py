@@ -3,29 +3,38 @@ from __future__ import annotations
 
 # Exit codes (also in `tools/apply.py --help` and README.md).
 OK = 0
-INTERNAL = 1  # a bug in the tool: traceback printed
+INTERNAL = 1  # a bug in the tool: one line (traceback with --debug)
 USAGE = 2  # bad command line (argparse) or bad project input (series, verify.toml, CONCERNS.toml)
 PIN = 3  # unknown --vllm, malformed pins.lock, tree/checkout holds another version
 FETCH = 4  # download failed, sha256 mismatch
-REFUSED = 5  # dirty tree, branch exists, would replace a user's torch/vLLM: nothing touched
+REFUSED = 5  # dirty tree, branch exists, tree locked by another command, recovery refused, ...: nothing touched
 PATCH = 6  # a patch or the overlay does not apply: tree rolled back
 CHECK = 7  # check/refresh: export differs from committed patches, bad patch header
 VERIFY = 8  # verification failed (tree, imports/registrations, kernel tests)
 EXTERNAL = 9  # pip / venv / wheel / build command failed
+CHECKOUT = 10  # after a switch the working tree is not the target commit (files named)
+FILESYSTEM = 11  # permission denied, disk full, read-only file system (path named)
 INTERRUPTED = 130  # Ctrl-C / SIGTERM: tree rolled back
 
 EXIT_CODES_HELP = """exit codes:
   0    success
-  1    internal error (a bug in the tool; traceback printed)
+  1    internal error (a bug in the tool; --debug prints the traceback)
   2    usage error: bad arguments, or malformed series / verify.toml / CONCERNS.toml
   3    pin error: unknown --vllm, malformed pins.lock, tree or checkout holds another version
   4    fetch error: download failed or sha256 mismatch (cached file left untouched)
-  5    refused: dirty tree, existing branch, or would replace a user's torch/vLLM; nothing changed
+  5    refused, nothing changed: dirty tree, existing branch, another command holds the tree's lock
+       (--wait waits), an interrupted run's recovery would discard changes made since, unreadable
+       journal, patches/ and the tree both edited, refresh would drop patches, or would replace a
+       user's torch/vLLM
   6    patch error: a patch or overlay file does not apply; tree rolled back, patch/file/hunk named
   7    check failed: re-export differs from patches/<version>/, or a patch header is invalid
   8    verification failed (report written)
-  9    an external step failed (pip, venv, wheel pack, build)
-  130  interrupted; tree rolled back"""
+  9    an external step failed (pip, venv, wheel pack, build, git)
+  10   checkout incomplete: after switching, the working tree is not the target commit (files named)
+  11   file system error: permission denied, disk full, read-only (path named)
+  130  interrupted (Ctrl-C, SIGTERM, SIGHUP); tree rolled back
+status exits 0 whenever it could read the state (drift, interruptions and patches that no longer
+apply are reported, not failures), 2/3 for usage/pin errors."""
 
 
 class ToolError(Exception):
@@ -74,3 +83,8 @@ class VerifyError(ToolError):
 class ExternalError(ToolError):
     def __init__(self, message: str):
         super().__init__(message, EXTERNAL)
+
+
+class CheckoutError(ToolError):
+    def __init__(self, message: str):
+        super().__init__(message, CHECKOUT)

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from .safety import child_kwargs, owned_tempdir
 from .errors import FetchError
 from .pins import Pin
 from .project import sha256_file
@@ -54,15 +53,14 @@ def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
         log(f"would download vllm=={pin.version} ({pin.wheel}) into {cache} and check sha256 {pin.sha256}")
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
-    try:
+    with owned_tempdir(".download-", cache) as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--platform", "manylinux_2_28_x86_64", "--progress-bar", "on", "--dest", str(tmp),
             f"vllm=={pin.version}",
         ] + shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
         log(f"downloading vllm=={pin.version} with pip ...")
-        r = subprocess.run(cmd)
+        r = subprocess.run(cmd, **child_kwargs())
         if r.returncode != 0:
             raise FetchError(f"pip download of vllm=={pin.version} failed (exit {r.returncode}); command: {shlex.join(cmd)}")
         got = sorted(p.name for p in tmp.iterdir())
@@ -77,5 +75,3 @@ def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
         os.replace(tmp / pin.wheel, path)
         log(f"wheel: {path} (downloaded, sha256 verified)")
         return path
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

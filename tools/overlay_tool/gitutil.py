@@ -8,6 +8,7 @@ from pathlib import Path
 import git as gitpython  # GitPython
 
 from .errors import ExternalError
+from .safety import child_kwargs
 from .patches import AUTHOR_EMAIL, AUTHOR_NAME, FIXED_DATE
 
 # Options on every git call: the user's global/system config (diff.noprefix, commit.gpgsign,
@@ -90,6 +91,7 @@ class Git:
             env=git_env(env, user_config),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            **child_kwargs(),
         )
         if check and r.returncode != 0:
             raise ExternalError(

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .safety import child_kwargs
 from .errors import ExternalError, RefusedError, UsageError
 from .pins import Pin
 
@@ -54,7 +55,7 @@ def ensure_venv(v: Venv, pin: Pin, dry_run: bool, log=print) -> None:
         log(f"would create a virtual environment at {v.path}")
         return
     log(f"creating virtual environment {v.path}")
-    r = subprocess.run([sys.executable, "-m", "venv", str(v.path)])
+    r = subprocess.run([sys.executable, "-m", "venv", str(v.path)], **child_kwargs())
     if r.returncode != 0:
         raise ExternalError(f"python -m venv {v.path} failed")
     (v.path / MARKER).write_text(json.dumps({"created_by": "tools/apply.py", "vllm": pin.version}) + "\n")
@@ -95,7 +96,7 @@ def pip(v: Venv, args: list[str], dry_run: bool, log=print) -> None:
         log(f"would run: {shlex.join(cmd)}")
         return
     log(f"$ {shlex.join(cmd)}")
-    r = subprocess.run(cmd)
+    r = subprocess.run(cmd, **child_kwargs())
     if r.returncode != 0:
         raise ExternalError(f"pip failed (exit {r.returncode}): {shlex.join(cmd)}")
 

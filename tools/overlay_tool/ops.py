@@ -5,7 +5,6 @@ import difflib
 import re
 import shutil
 import subprocess
-import tempfile
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +18,7 @@ from .patches import (
     parse_message,
     parse_patch_bytes,
     patch_file_name,
+    patches_fingerprint,
     read_series,
     require_valid,
     validate_header,
@@ -26,18 +26,16 @@ from .patches import (
 )
 from .pins import Pin
 from .project import OverlayFile, Project
+from .safety import owned_tempdir
 from .tree import FORMAT_PATCH_OPTS, Tree, create_baseline
 
 
 @contextmanager
 def scratch_tree(pin: Pin, wheel: Path):
     """A throw-away baseline repository (no work tree) for check and export-pr."""
-    td = Path(tempfile.mkdtemp(prefix=f"glm5-scratch-{pin.version}-"))
-    try:
+    with owned_tempdir(f"glm5-scratch-{pin.version}-") as td:
         create_baseline(td / "tree", pin, wheel, checkout=False, binaries=False)
         yield Tree.open(td / "tree", pin, managed=True)
-    finally:
-        shutil.rmtree(td, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- refresh
@@ -64,14 +62,43 @@ def export_tree(tree: Tree, project: Project) -> list[tuple[str, bytes]]:
     return out
 
 
-def refresh(tree: Tree, project: Project, dry_run: bool, log=print) -> bool:
-    """Write the tree's patch commits to patches/<version>/ (series + files). Returns True if anything changed."""
-    tree.recover()
+def refresh(tree: Tree, project: Project, dry_run: bool, log=print, force: bool = False, allow_fewer: bool = False) -> bool:
+    """Write the tree's patch commits to patches/<version>/ (series + files). Returns True if anything changed.
+
+    Refuses (exit 5) a tree with an unfinished command's journal, a tree behind patches/ (patches/
+    edited since the tree was last applied/refreshed) unless force, and an export with fewer
+    patches than the series holds unless allow_fewer.
+    """
+    v = tree.pin.version
+    j = tree.read_journal()
+    if j is not None:
+        raise RefusedError(
+            f"{tree.path} is in the middle of an interrupted command ({j.get('kind', 'switch')} started {j.get('started')}); "
+            f"refresh would export a half-switched tree. Run `tools/apply.py recover` (or apply, which recovers first), "
+            f"then refresh"
+        )
     tree.require_clean("refresh")
-    exported = export_tree(tree, project)
     pdir = project.patches_dir(tree.pin)
+    fp = patches_fingerprint(pdir)
+    state = tree.sync_state(fp)
+    if state in ("patches-newer", "both") and not force:
+        raise RefusedError(
+            f"patches/{v} was edited after {tree.path} was last applied/refreshed"
+            + (" (and the tree's commits changed too)" if state == "both" else "")
+            + f"; refresh would overwrite those edits with the tree's commits. Nothing was written.\n"
+            f"to keep patches/{v}: `tools/apply.py apply --rebuild` (re-applies it to the tree); "
+            f"to keep the tree: `tools/apply.py refresh --force`"
+        )
+    exported = export_tree(tree, project)
     old_names = read_series(pdir) if (pdir / "series").exists() else []
     new_names = [n for n, _ in exported]
+    if len(new_names) < len(old_names) and not allow_fewer:
+        raise RefusedError(
+            f"refresh would export {len(new_names)} patch(es) from {tree.path}, but patches/{v}/series holds "
+            f"{len(old_names)}; the tree lacks commits for the series (is it at {tree.pin.tag} or an old branch?). "
+            f"Nothing was written. Run `tools/apply.py apply` to bring the tree up to patches/{v}, or pass "
+            f"--allow-fewer if dropping patches is what you want"
+        )
     changed = False
     for name, data in exported:
         path = pdir / name
@@ -101,6 +128,8 @@ def refresh(tree: Tree, project: Project, dry_run: bool, log=print) -> bool:
         log(f"patches/{tree.pin.version} is up to date with {tree.path} ({len(new_names)} patches)")
     elif old_names != new_names:
         log(f"series: {old_names} -> {new_names}")
+    if not dry_run:
+        tree.write_sync(patches_fingerprint(pdir), exported=True)
     return changed
 
 
@@ -156,34 +185,82 @@ def check(project: Project, pin: Pin, wheel: Path, log=print) -> list[str]:
 
 # ----------------------------------------------------------------------- status
 def status(project: Project, pin: Pin, tree_path: Path, managed: bool, log=print) -> None:
+    """Print the tree's state against patches/ + overlay. Reports problems; raises only on usage/pin errors."""
     from .build import drift_of
+    from .safety import is_locked
+    from .tree import lock_path
 
     pdir = project.patches_dir(pin)
-    patches = load_series(pdir)
+    v = pin.version
+    try:
+        patches = load_series(pdir)
+    except UsageError as e:
+        log(f"patches/{v}: ERROR: {e}")
+        patches = None
     overlay = project.overlay_files()
     log(f"tree: {tree_path}")
     if not tree_path.exists():
         log("  (not created yet: `apply` creates it)")
         return
     tree = Tree.open(tree_path, pin, managed)
-    if tree.journal.exists():
-        log("  INTERRUPTED: an earlier apply was interrupted; the next apply/build/refresh restores the tree first")
+    if is_locked(lock_path(tree_path, managed)):
+        log("  LOCKED: another tools/apply.py command is working on this tree now; what follows may be mid-change")
+    try:
+        j = tree.read_journal()
+    except RefusedError as e:
+        log("  JOURNAL UNREADABLE: " + str(e).replace("\n", "\n  "))
+        j = None
+    if j is not None and j.get("kind") == "stopped-port":
+        log(f"  PORT IN PROGRESS: {j.get('what', 'a port stopped at a conflict')} (started {j.get('started')}); "
+            f"recovery leaves it alone; `recover --forget` drops its record")
+    elif j is not None:
+        problems = tree.recovery_problems(j)
+        log(f"  INTERRUPTED: an apply started {j.get('started')} was interrupted; "
+            + ("the next apply/build (or `recover`) restores the tree first" if not problems else
+               "the tree changed since, so recovery will refuse (it keeps your changes): " + "; ".join(problems[:5])))
     head = tree.g.rev("HEAD")
     log(f"  HEAD {head[:12] if head else '?'} on {tree.g.current_branch() or 'detached HEAD'}; baseline {pin.tag} {tree.base[:12]}")
     dirty = tree.g.status_lines()
     if dirty:
         log(f"  uncommitted changes: {len(dirty)} path(s): " + ", ".join(dirty[:5]))
+    fp = patches_fingerprint(pdir)
+    state = tree.sync_state(fp)
+    log("  " + {
+        None: f"patches/{v} sync: not recorded (the tree was not applied/refreshed by this version of the tool)",
+        "in-sync": f"patches/{v} sync: unchanged since the tree was last applied/refreshed",
+        "patches-newer": f"patches/{v} was EDITED after the tree was last applied/refreshed (the tree did not change): "
+                         f"keep patches/: `apply` (or `apply --rebuild` if it refuses); keep the tree: `refresh --force`",
+        "tree-newer": f"the tree changed after its last apply/refresh (patches/{v} did not): `refresh` exports it",
+        "both": f"BOTH patches/{v} and the tree changed since the tree was last applied/refreshed: save one side, then "
+                f"`refresh --force` (keep the tree) or `apply --rebuild --force` (keep patches/)",
+    }[state])
+    if patches is None or head is None:
+        return
+    commits = tree.patch_commits(head)
+    mismatch = tree.first_mismatch(commits, patches)
+    fresh_error = None
     try:
-        sim = tree.simulate(head, patches, overlay)
-        for s in sim.patches:
-            log(f"  patch {s.name}: {'applied' if s.status == 'already-applied' else 'NOT applied (run apply)'}")
-        ov = sim.overlay
-        if ov.changed:
-            log(f"  overlay: {len(ov.added)} to add, {len(ov.updated)} to update, {len(ov.removed)} to remove (run apply)")
-        else:
-            log(f"  overlay: {len(ov.unchanged)} file(s) in place")
+        tree.simulate(tree.base, patches, overlay)
     except PatchError as e:
-        log("  DRIFT: " + str(e).replace("\n", "\n  "))
+        fresh_error = e
+    if fresh_error is not None:
+        log(f"  DRIFT: patches/{v} does not apply to a fresh {pin.tag} tree: "
+            + str(fresh_error).replace(f"does not apply to {tree.path}:", f"does not apply to a fresh {pin.tag} tree:").replace("\n", "\n  "))
+    elif mismatch is not None:
+        log(f"  commits: the tree's patch commit {mismatch + 1} ('{tree.subject(commits[mismatch])}') is not series entry "
+            f"{mismatch + 1} ({patches[mismatch].name}): the tree and patches/ disagree (see the sync line above)")
+    else:
+        try:
+            sim = tree.simulate(head, patches, overlay)
+            for s in sim.patches:
+                log(f"  patch {s.name}: {'applied' if s.status == 'already-applied' else 'NOT applied (run apply)'}")
+            ov = sim.overlay
+            if ov.changed:
+                log(f"  overlay: {len(ov.added)} to add, {len(ov.updated)} to update, {len(ov.removed)} to remove (run apply)")
+            else:
+                log(f"  overlay: {len(ov.unchanged)} file(s) in place")
+        except PatchError as e:
+            log("  does not apply on top of this tree's commits: " + str(e).replace("\n", "\n  "))
     exported = None
     try:
         exported = export_tree(tree, project)
@@ -193,9 +270,12 @@ def status(project: Project, pin: Pin, tree_path: Path, managed: bool, log=print
         files = {p.name: p.data for p in patches}
         unexported = [n for n, d in exported if files.get(n) != d]
         if unexported:
-            log(f"  commits not yet in patches/{pin.version}: {', '.join(unexported)} (run refresh)")
-    drift, why = drift_of(tree, patches, overlay)
-    log(f"  content: {'DRIFT: ' + why if drift else 'matches patches/' + pin.version + ' + overlay'}")
+            log(f"  commits not yet in patches/{v}: {', '.join(unexported)} (run refresh)")
+    if fresh_error is not None:
+        log(f"  content: unknown (patches/{v} does not apply to a fresh {pin.tag} tree)")
+    else:
+        drift, why = drift_of(tree, patches, overlay)
+        log(f"  content: {'DRIFT: ' + why if drift else 'matches patches/' + v + ' + overlay'}")
 
 
 # -------------------------------------------------------------------- export-pr
@@ -287,7 +367,7 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
 
 
 def _files_commit(tree: Tree, parent: str, files: list[OverlayFile], title, description, name, email, env) -> str:
-    with tempfile.TemporaryDirectory() as td:
+    with owned_tempdir("glm5-index-") as td:
         ienv = dict(env, GIT_INDEX_FILE=str(Path(td) / "index"))
         tree.g.run("read-tree", parent, env=ienv)
         blobs = tree.g.out("hash-object", "-w", "--no-filters", "--stdin-paths",

@@ -252,7 +252,24 @@ def parse_diff(text: str) -> list[FilePatch]:
 
 
 def load_series(patches_dir: Path) -> list[PatchFile]:
+    """The series' patches, in order; a missing series file is an error (an empty series is a file with no entries)."""
+    series = patches_dir / "series"
+    if not series.is_file():
+        raise UsageError(
+            f"{series} does not exist (an empty series is a file with no entries; `refresh` writes it from a tree, "
+            f"`git checkout -- {series}` restores a deleted one)"
+        )
     return [parse_patch_file(patches_dir / n) for n in read_series(patches_dir)]
+
+
+def patches_fingerprint(patches_dir: Path) -> str:
+    """sha256 over patches/<version>/: the series file and every *.patch file (names and bytes)."""
+    h = hashlib.sha256()
+    series = patches_dir / "series"
+    h.update(b"series\0" + (series.read_bytes() if series.is_file() else b"(missing)") + b"\0")
+    for p in sorted(patches_dir.glob("*.patch")) if patches_dir.is_dir() else []:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def validate_series(patches: list[PatchFile]) -> list[str]:

@@ -15,24 +15,31 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import INTERRUPTED, PatchError, PinError, RefusedError, ToolError, UsageError
+from .errors import INTERRUPTED, CheckoutError, PatchError, PinError, RefusedError, ToolError, UsageError
 from .gitutil import Git
 from .patches import FIXED_EPOCH, AUTHOR, PatchFile, normalize_export
 from .pins import Pin
 from .project import OverlayFile
+from .safety import child_kwargs, held_open, owned_tempdir
 
-JOURNAL = "glm5-overlay-apply.json"
+JOURNAL = "glm5-overlay-apply.json"  # what an unfinished command was changing (see Tree._switch)
+SYNC = "glm5-overlay-sync.json"  # patches/<version> and HEAD when the tree was last applied/refreshed
+LOCK = "glm5-overlay.lock"  # --checkout trees: the lock lives in the git directory
+BACKUP_REF = "refs/glm5-overlay/before-rebuild"  # HEAD before `apply --rebuild` replaced the commits
 OVERLAY_TRAILER = "Glm5-Overlay"
 WHEEL_TRAILER = "Wheel-Sha256"
-FAULT_ENV = "GLM5_OVERLAY_FAULT"  # fault injection for the tests (see tests/tool/test_interrupt.py)
+# Fault injection for the tests (tests/tool/test_recovery.py): GLM5_OVERLAY_FAULT=<point>[:sigkill].
+# Points: baseline-imported, after-patch-<n>, before-checkout, checkout-partial (leaves part of the
+# switch unwritten), after-checkout, mid-restore (recovery: branch moved back, files not yet),
+# during-pack (build, while `wheel pack` runs).
+# <how>: raise KeyboardInterrupt (default) or send the process sigkill / sigterm / sighup.
+FAULT_ENV = "GLM5_OVERLAY_FAULT"
 
 FORMAT_PATCH_OPTS = [
     "--full-index", "--zero-commit", "--no-signature", "--no-stat", "--keep-subject",
@@ -51,6 +58,10 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def fault_active(point: str) -> bool:
+    return os.environ.get(FAULT_ENV, "").partition(":")[0] == point
+
+
 def _fault(point: str) -> None:
     """Fault injection: GLM5_OVERLAY_FAULT=<point>[:sigkill]; only the tests set it."""
     spec = os.environ.get(FAULT_ENV, "")
@@ -59,8 +70,9 @@ def _fault(point: str) -> None:
     name, _, how = spec.partition(":")
     if name != point:
         return
-    if how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if how in ("sigkill", "sigterm", "sighup"):
+        os.kill(os.getpid(), getattr(signal, how.upper()))
+        time.sleep(5)  # the handler (SIGTERM/SIGHUP: safety.handle_signals) raises here
     raise KeyboardInterrupt(f"fault injected at {point}")
 
 
@@ -100,17 +112,22 @@ def create_baseline(dest: Path, pin: Pin, wheel: Path, checkout: bool = True, bi
     if dest.exists():
         raise RefusedError(f"{dest} already exists")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
-    try:
+    # The temporary tree is owned (tools/overlay_tool/safety.py): removed on every exit path, and by
+    # the next run if this process is killed.
+    with owned_tempdir(dest.name + ".tmp-", dest.parent) as tmp:
         g = Git.init(tmp, pin.branch)
         _fast_import(g, pin, wheel, binaries)
+        _fault("baseline-imported")
         if checkout:
             with progress(total=1, desc="checking out baseline", unit="tree"):
                 g.run("read-tree", "-u", "--reset", "HEAD")
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if dest.exists():
+                raise RefusedError(f"{dest} was created by something else while this command made it; "
+                                   f"nothing of it was changed") from None
+            raise
     return Git(dest)
 
 
@@ -128,6 +145,7 @@ def _fast_import(g: Git, pin: Pin, wheel: Path, binaries: bool = True) -> None:
             cwd=g.worktree,
             stdin=subprocess.PIPE,
             env=git_env(),
+            **child_kwargs(),
         )
         assert proc.stdin is not None
         w = proc.stdin
@@ -276,7 +294,7 @@ class Tree:
     # ----------------------------------------------------------- simulate
     def simulate(self, start: str, patches: list[PatchFile], overlay: list[OverlayFile] | None) -> Simulation:
         """Apply the series (and overlay) on `start` in a temporary index; return the new commit."""
-        with tempfile.TemporaryDirectory(prefix="glm5-index-") as td:
+        with owned_tempdir("glm5-index-") as td:
             env = {"GIT_INDEX_FILE": str(Path(td) / "index")}
             g = self.g
             g.run("read-tree", start, env=env)
@@ -308,7 +326,7 @@ class Tree:
             return Simulation(start, parent, steps, ov)
 
     def _commit_from_patch(self, p: PatchFile, tree: str, parent: str) -> str:
-        with tempfile.TemporaryDirectory() as td:
+        with owned_tempdir("glm5-msg-") as td:
             msgf, patchf = Path(td) / "msg", Path(td) / "patch"
             r = self.g.run("mailinfo", "-k", str(msgf), str(patchf), input=p.data)
             info = {}
@@ -387,21 +405,164 @@ class Tree:
         return ov.commit
 
     # -------------------------------------------------------------- apply
-    def apply(self, patches: list[PatchFile], overlay: list[OverlayFile] | None, dry_run: bool = False) -> Simulation:
-        self.recover()
+    def apply(self, patches: list[PatchFile], overlay: list[OverlayFile] | None, dry_run: bool = False,
+              fingerprint: str | None = None, rebuild: bool = False, force: bool = False) -> Simulation:
+        """Bring the tree to patches/ + overlay (all or nothing).
+
+        fingerprint: patches_fingerprint() of patches/<version> (recorded for `refresh`/`status`).
+        rebuild: re-apply the series from the baseline, replacing the tree's patch commits (the old
+        HEAD is kept as BACKUP_REF); allowed when the tree holds nothing patches/ lacks, or with force.
+        """
+        if not dry_run:
+            self.recover()
         self.require_clean("apply patches")
         start = self.start_point()
-        sim = self.simulate(start, patches, overlay)
-        if dry_run or not sim.changed:
+        commits = self.patch_commits(start)
+        state = self.sync_state(fingerprint) if fingerprint else None
+        if rebuild:
+            rec = self.read_sync()
+            safe = rec is not None and rec.get("head") == start and rec.get("exported")
+            if not safe and not force:
+                raise RefusedError(
+                    f"{self.path}: `apply --rebuild` would replace the tree's patch commits, and the tree holds "
+                    f"commits that were never exported to patches/{self.pin.version} (or its last apply/refresh "
+                    f"is not recorded); run `refresh` first to keep them, or add --force to replace them anyway "
+                    f"(the old HEAD is then kept as {BACKUP_REF})"
+                )
+            sim = self.simulate(self.base, patches, overlay)
+            sim.start = start
+            if dry_run or not sim.changed:
+                return sim
+            if dry_run:
+                return sim
+            if sim.changed:
+                self.g.run("update-ref", "-m", "apply --rebuild", BACKUP_REF, start)
+                self._switch(start, sim.commit)
+            if fingerprint:
+                self.write_sync(fingerprint, exported=True)
             return sim
-        self._switch(start, sim.commit)
+        mismatch = self.first_mismatch(commits, patches)
+        if mismatch is not None:
+            try:  # a series that does not apply to a fresh baseline is named as such (patch and hunk)
+                self.simulate(self.base, patches, overlay)
+            except PatchError as fresh:
+                raise self._fresh(fresh) from None
+            raise RefusedError(self._mismatch_message(mismatch, commits, patches, state))
+        try:
+            sim = self.simulate(start, patches, overlay)
+        except PatchError as e:
+            raise self.diagnose(patches, overlay, e) from None
+        if dry_run:
+            return sim
+        if sim.changed:
+            self._switch(start, sim.commit)
+        if fingerprint:
+            # exported: every patch commit of the tree is a series entry (nothing only the tree holds)
+            self.write_sync(fingerprint, exported=len(commits) <= len(patches))
         return sim
 
+    def first_mismatch(self, commits: list[str], patches: list[PatchFile]) -> int | None:
+        """0-based index of the first tree patch commit whose export is not the series entry there."""
+        for i, (sha, p) in enumerate(zip(commits, patches)):
+            if self.export_commit(sha) != p.data:
+                return i
+        return None
+
+    def _mismatch_message(self, i: int, commits: list[str], patches: list[PatchFile], state: str | None) -> str:
+        v = self.pin.version
+        what = (f"the tree's patch commit {i + 1} ({commits[i][:12]} '{self.subject(commits[i])}') is not "
+                f"patches/{v}/{patches[i].name} (series entry {i + 1})")
+        keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (re-applies the series from {self.pin.tag}; "
+                f"the old HEAD is kept as {BACKUP_REF}); to keep the tree: `tools/apply.py refresh --force` "
+                f"(overwrites patches/{v} with the tree's commits)")
+        if state == "patches-newer" and not (self.read_sync() or {}).get("exported"):
+            state = "both"  # the tree also held commits that were never exported
+        if state == "patches-newer":
+            why = f"patches/{v} was edited after this tree was last applied/refreshed, and the tree has not changed since"
+            keep = (f"to keep patches/{v}: `tools/apply.py apply --rebuild` (the tree holds nothing patches/ lacked); "
+                    f"to keep the tree: `tools/apply.py refresh --force`")
+        elif state == "tree-newer":
+            why = f"the tree's commits were changed after its last apply/refresh (patches/{v} was not)"
+            keep = (f"to keep the tree: `tools/apply.py refresh` (exports the commits); to drop the tree's changes: "
+                    f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})")
+        elif state == "both":
+            why = (f"patches/{v} was edited after the tree was last applied/refreshed, and the tree holds commits "
+                   f"that patches/{v} does not have")
+            keep = (f"nothing chooses for you: save one side first; `tools/apply.py refresh --force` keeps the tree "
+                    f"(overwrites patches/{v}), `tools/apply.py apply --rebuild --force` keeps patches/{v} "
+                    f"(old HEAD kept as {BACKUP_REF})")
+        else:
+            why = "the tree and patches/ disagree"
+        return f"{self.path}: {why}: {what}; nothing was touched.\n{keep}"
+
+    def diagnose(self, patches: list[PatchFile], overlay: list[OverlayFile] | None, err: PatchError) -> ToolError:
+        """A patch failed on this tree: name the patch and hunk as they fail on a fresh baseline."""
+        try:
+            self.simulate(self.base, patches, overlay)
+        except PatchError as fresh:
+            return self._fresh(fresh)
+        return RefusedError(
+            f"patches/{self.pin.version} applies to a fresh {self.pin.tag} tree but not on top of this tree's "
+            f"commits ({err}); the tree holds commits that patches/ does not have.\n"
+            f"to keep the tree: `tools/apply.py refresh`; to keep patches/{self.pin.version}: "
+            f"`tools/apply.py apply --rebuild --force` (old HEAD kept as {BACKUP_REF})"
+        )
+
+    def _fresh(self, err: PatchError) -> PatchError:
+        return PatchError(str(err).replace(f"does not apply to {self.path}:", f"does not apply to a fresh {self.pin.tag} tree:", 1))
+
+    # ----------------------------------------------------------- sync record
+    def read_sync(self) -> dict | None:
+        p = self.g.git_dir / SYNC
+        try:
+            return json.loads(p.read_text())
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError):
+            return None  # unreadable: as if never recorded (only refines messages and refresh's guard)
+
+    def write_sync(self, fingerprint: str, exported: bool) -> None:
+        rec = {"version": self.pin.version, "head": self.g.rev("HEAD"), "patches": fingerprint, "exported": exported,
+               "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        p = self.g.git_dir / SYNC
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec, indent=1) + "\n")
+        os.replace(tmp, p)
+
+    def sync_state(self, fingerprint: str) -> str | None:
+        """None (never recorded) | in-sync | patches-newer | tree-newer | both."""
+        rec = self.read_sync()
+        if rec is None:
+            return None
+        same_head = rec.get("head") == self.g.rev("HEAD")
+        same_patches = rec.get("patches") == fingerprint
+        return {(True, True): "in-sync", (True, False): "patches-newer",
+                (False, True): "tree-newer", (False, False): "both"}[(same_head, same_patches)]
+
+    # ---------------------------------------------------------- the switch
+    def verify_tree(self, commit: str) -> list[str]:
+        """What differs between the working tree (and index) and `commit`; [] when equal (ignored files aside)."""
+        problems = []
+        head = self.g.rev("HEAD")
+        if head != commit:
+            problems.append(f"HEAD is {head[:12] if head else '?'}, not {commit[:12]}")
+        out = self.g.run("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames", user_config=True).stdout
+        for rec in out.decode("utf-8", "replace").split("\0"):
+            if rec:
+                problems.append(rec)
+        return problems
+
     def _switch(self, start: str, target: str) -> None:
-        """Check out `target` on branch overlay/<version>, guarded by the journal."""
+        """Check out `target` on branch overlay/<version>, guarded by the journal.
+
+        The journal says what this step may change: HEAD/branch from (orig_branch, orig_head) to
+        (branch, target), and the files in `paths` from their content at orig_head to that at
+        target. Recovery (`recover`) undoes exactly that, and refuses when the tree holds anything else.
+        """
         branch = self.g.current_branch()
-        added = self.g.out("diff", "--name-only", "--diff-filter=A", "--no-renames", start, target).splitlines()
+        paths = self.changed_paths(start, target)
         journal = {
+            "kind": "switch",
             "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "version": self.pin.version,
@@ -409,57 +570,199 @@ class Tree:
             "orig_branch": branch,
             "target": target,
             "branch": self.pin.branch,
+            "branch_before": self.g.rev(f"refs/heads/{self.pin.branch}"),
             "created_branch": self.g.rev(f"refs/heads/{self.pin.branch}") is None,
-            "added": added,
+            "paths": sorted(paths),
+            "added": sorted(p for p, st in paths.items() if st == "A"),
         }
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text(json.dumps(journal, indent=1))
         os.replace(tmp, self.journal)
-        old_term = signal.signal(signal.SIGTERM, _sigterm)
         try:
             _fault("before-checkout")
             self.g.run("checkout", "-q", "-B", self.pin.branch, target)
+            if fault_active("checkout-partial"):
+                self._leave_part_unwritten(start, paths)
             _fault("after-checkout")
+            problems = self.verify_tree(target)
         except BaseException as e:
             msg = self.recover(force=True)
             if isinstance(e, KeyboardInterrupt):
                 raise ToolError(f"interrupted; {msg}", INTERRUPTED) from None
             raise
-        finally:
-            signal.signal(signal.SIGTERM, old_term)
+        if problems:
+            shown = "\n  ".join(problems[:20]) + (f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else "")
+            head = f"checking out {target[:12]} in {self.path} left the working tree different from that commit (git reported success):\n  {shown}\n"
+            try:
+                msg = self.recover(force=True)
+            except ToolError as e:
+                raise CheckoutError(head + f"restoring the earlier state failed too:\n{e}\n"
+                                    f"fix what stops writing there (permissions, disk space), then run apply again "
+                                    f"(it restores first); the journal {self.journal} is kept") from None
+            raise CheckoutError(head + f"rolled back: {msg}; fix what stops writing there (permissions, disk space) and run apply again")
         self.journal.unlink()
 
-    def recover(self, force: bool = False) -> str | None:
-        """Undo an apply that was interrupted while checking out its result."""
-        if not self.journal.exists():
+    def _leave_part_unwritten(self, start: str, paths: dict[str, str]) -> None:
+        """Fault point checkout-partial: put every other switched file back as it was at `start`."""
+        for rel in sorted(paths)[::2]:
+            p = self.path / rel
+            if paths[rel] == "A":
+                p.unlink(missing_ok=True)
+            else:
+                p.write_bytes(self.g.run("cat-file", "blob", f"{start}:{rel}").stdout)
+
+    # ------------------------------------------------------------- recovery
+    def read_journal(self) -> dict | None:
+        try:
+            text = self.journal.read_text()
+        except FileNotFoundError:
             return None
-        j = json.loads(self.journal.read_text())
-        if not force and j.get("pid") != os.getpid() and _alive(j.get("pid")):
-            raise RefusedError(f"{self.path}: another apply (pid {j['pid']}) is running; wait for it to finish")
+        try:
+            j = json.loads(text)
+            if not isinstance(j, dict) or j.get("kind", "switch") not in ("switch", "stopped-port"):
+                raise ValueError("unknown kind")
+            if j.get("kind", "switch") == "switch":
+                for k in ("orig_head", "target", "branch"):
+                    if not isinstance(j.get(k), str):
+                        raise ValueError(f"no {k}")
+        except ValueError as e:
+            raise RefusedError(
+                f"{self.journal} (the record of an unfinished tools/apply.py command) is unreadable ({e}); "
+                f"what that command changed is unknown, so nothing was touched. Check the tree yourself "
+                f"(git status, git log in {self.path}), then drop the record: tools/apply.py recover --forget"
+            ) from None
+        return j
+
+    def recovery_problems(self, j: dict) -> list[str]:
+        """Changes in the tree that the interrupted switch did not make (empty: recovery is safe)."""
+        g = self.g
+        problems = []
+        orig, target, obranch, nbranch = j["orig_head"], j["target"], j.get("orig_branch"), j["branch"]
+        head, branch = g.rev("HEAD"), g.current_branch()
+        if (branch, head) not in ((obranch, orig), (nbranch, target)):
+            problems.append(f"HEAD is {branch or 'detached'} at {head[:12] if head else '?'} (the apply left it at "
+                            f"{obranch or 'detached'} {orig[:12]} or {nbranch} {target[:12]}): commits or a checkout since")
+        nref = g.rev(f"refs/heads/{nbranch}")
+        before = j.get("branch_before", None if j.get("created_branch") else orig)
+        if nref not in (before, target):
+            problems.append(f"branch {nbranch} is at {nref[:12] if nref else '(deleted)'}: moved since")
+        if obranch and obranch != nbranch and g.rev(f"refs/heads/{obranch}") != orig:
+            problems.append(f"branch {obranch} moved since (was {orig[:12]})")
+        if g.run("cat-file", "-e", f"{target}^{{commit}}", check=False).returncode != 0:
+            return problems + [f"the target commit {target[:12]} is gone"]
+        if "paths" in j:
+            ours = set(j["paths"])
+        else:  # journals of earlier versions of the tool
+            ours = set(self.changed_paths(orig, target))
+        out = g.run("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames", user_config=True).stdout
+        dirty = [rec[3:] for rec in out.decode("utf-8", "surrogateescape").split("\0") if rec]
+        foreign = [p for p in dirty if p not in ours]
+        problems += [f"{p}: changed, not by the interrupted apply" for p in foreign]
+        mine = [p for p in dirty if p in ours]
+        if mine:
+            lit = {"GIT_LITERAL_PATHSPECS": "1"}  # file names are not patterns
+
+            def blobs(commit):
+                res = {}
+                for line in g.out("ls-tree", "-r", commit, "--", *mine, env=lit).splitlines():
+                    meta, path = line.split("\t", 1)
+                    res[path] = meta.split()[2]
+                return res
+
+            allowed_o, allowed_t = blobs(orig), blobs(target)
+            idx = {}
+            for line in g.out("ls-files", "-s", "--", *mine, env=lit).splitlines():
+                meta, path = line.split("\t", 1)
+                idx[path] = meta.split()[1]
+            present = [p for p in mine if (self.path / p).is_file() and not (self.path / p).is_symlink()]
+            wt = dict(zip(present, g.out("hash-object", "--no-filters", "--stdin-paths",
+                                         input="".join(p + "\n" for p in present).encode()).split())) if present else {}
+            for p in mine:
+                ok = {allowed_o.get(p), allowed_t.get(p)}
+                if (self.path / p).is_symlink():
+                    problems.append(f"{p}: now a symbolic link")
+                    continue
+                if wt.get(p) not in ok:
+                    problems.append(f"{p}: its content is neither the version before nor after the interrupted apply")
+                elif idx.get(p) not in ok:
+                    problems.append(f"{p}: staged content is neither the version before nor after the interrupted apply")
+        return problems
+
+    def recover(self, force: bool = False) -> str | None:
+        """Undo a switch that was interrupted; refuses when the tree changed in other ways since.
+
+        force: called by the command that wrote the journal itself (its own interrupted switch).
+        """
+        j = self.read_journal()
+        if j is None:
+            return None
+        if j.get("kind") == "stopped-port":
+            raise RefusedError(
+                f"{self.path}: a port ({j.get('what', 'stopped at a conflict')}, started {j.get('started')}) is in "
+                f"progress here; recovery leaves it alone. Finish or abort it first, or drop its record with "
+                f"tools/apply.py recover --forget"
+            )
+        where = f"an apply started {j.get('started')} (pid {j.get('pid')})"
+        if not force:
+            problems = self.recovery_problems(j)
+            if problems:
+                shown = "\n  ".join(problems[:20]) + (f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else "")
+                raise RefusedError(
+                    f"{self.path}: {where} was interrupted while switching "
+                    f"{j.get('orig_branch') or 'detached HEAD'} at {j['orig_head'][:12]} to {j['branch']} at "
+                    f"{j['target'][:12]}, and the tree changed since in ways that apply did not make:\n  {shown}\n"
+                    f"nothing was touched (your changes are kept). Either undo those changes, or keep the tree as it "
+                    f"is now (git status / git log there; once your changes are saved elsewhere, `git checkout -f "
+                    f"{j['orig_head'][:12]}` there gives the state before the apply) and then drop the record: "
+                    f"tools/apply.py recover --forget"
+                )
         lock = self.g.git_dir / "index.lock"
         if lock.exists():
-            lock.unlink()
+            pids = held_open(lock)
+            if pids:
+                raise RefusedError(f"{lock} is held by a running process (pid {', '.join(map(str, pids))}); "
+                                   f"wait for it to finish, then run the command again")
+            lock.unlink()  # left by a git that this tool ran and that died with it
         g = self.g
         orig, branch = j["orig_head"], j.get("orig_branch")
         if branch:
             g.run("update-ref", f"refs/heads/{branch}", orig)
+            _fault("mid-restore")
             g.run("checkout", "-q", "-f", branch)
         else:
             g.run("checkout", "-q", "-f", "--detach", orig)
-        if j.get("created_branch") and branch != j["branch"]:
-            if g.rev(f"refs/heads/{j['branch']}") in (j["target"], orig):
-                g.run("branch", "-q", "-D", j["branch"])
+        if branch != j["branch"]:
+            if j.get("created_branch"):
+                if g.rev(f"refs/heads/{j['branch']}") in (j["target"], orig):
+                    g.run("branch", "-q", "-D", j["branch"])
+            elif j.get("branch_before") and g.rev(f"refs/heads/{j['branch']}") == j["target"]:
+                g.run("update-ref", f"refs/heads/{j['branch']}", j["branch_before"])
         tracked = set(g.out("ls-files", "--", *j.get("added", [])).splitlines()) if j.get("added") else set()
         for rel in j.get("added", []):
             p = self.path / rel
             if rel not in tracked and p.is_file():
                 p.unlink()
                 _prune_empty_dirs(p.parent, self.path)
+        left = self.verify_tree(orig)
+        if left:
+            raise CheckoutError(
+                f"restoring {self.path} to {orig[:12]} left it different from that commit:\n  "
+                + "\n  ".join(left[:20]) + f"\nthe journal {self.journal} is kept; fix what stops writing there and run the command again"
+            )
         self.journal.unlink()
-        return (
-            f"an apply started {j.get('started')} (pid {j.get('pid')}) was interrupted; "
-            f"restored {branch or 'detached HEAD'} at {orig[:12]}"
-        )
+        return f"{where} was interrupted; restored {branch or 'detached HEAD'} at {orig[:12]}"
+
+    def forget_journal(self) -> str | None:
+        """`recover --forget`: drop the record of an unfinished command, leaving the tree as it is."""
+        if not self.journal.exists():
+            return None
+        try:
+            j = json.loads(self.journal.read_text())
+            what = f"{j.get('kind', 'switch')} started {j.get('started')} (pid {j.get('pid')})"
+        except (ValueError, OSError, AttributeError):
+            what = "an unreadable record"
+        self.journal.unlink()
+        return what
 
     # --------------------------------------------------------------- export
     def _applied_prefix(self, start: str, patches: list[PatchFile]) -> int:
@@ -504,22 +807,6 @@ class Tree:
             st, _, path = line.partition("\t")
             res[path] = st[0]
         return res
-
-
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt("SIGTERM")
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _prune_empty_dirs(d: Path, top: Path) -> None:
@@ -575,3 +862,11 @@ def describe_apply_failure(p: PatchFile, stderr: str, where: Path) -> str:
     if detail is None:
         detail = "git apply said:\n    " + "\n    ".join(lines[-10:])
     return f"patch {p.name} does not apply to {where}:\n  {detail}\nthe tree was left as it was"
+
+
+def lock_path(path: Path, managed: bool) -> Path:
+    """The lock file of a tree: beside the tool's own tree (it must exist before the tree does),
+    in the git directory of a --checkout."""
+    if managed:
+        return path.parent / f".{path.name}.lock"
+    return Git(path).git_dir / LOCK

@@ -8,13 +8,14 @@ import io
 import json
 import os
 import re
+import selectors
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 
+from .safety import child_kwargs, owned_tempdir
 from .project import VerifySpec
 from .tree import progress
 
@@ -182,7 +183,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
     """(b): in the installed environment, import vllm and the overlay's modules, check registrations."""
     payload = spec.to_json() if spec else {"imports": [], "attributes": []}
     payload["files"] = files
-    with tempfile.TemporaryDirectory(prefix="glm5-verify-") as td:
+    with owned_tempdir("glm5-verify-") as td:
         sp, op = Path(td) / "spec.json", Path(td) / "out.json"
         sp.write_text(json.dumps(payload))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -191,7 +192,7 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
         try:
             r = subprocess.run(
                 [str(python), "-c", _CHECKER, str(sp), str(op)], cwd=td, env=env,
-                capture_output=True, text=True, timeout=timeout,
+                capture_output=True, text=True, timeout=timeout, **child_kwargs(),
             )
         except subprocess.TimeoutExpired:
             return {"ok": False, "problems": [f"import checks did not finish in {timeout} s"], "checks": []}
@@ -217,8 +218,57 @@ def check_imports(python: Path, spec: VerifySpec | None, version: str, files: di
     return res
 
 
-def kernel_tests(python: Path, project_root: Path, tests_dir: Path, cuda: bool, timeout: int = 3600) -> dict:
-    """(c): pytest tests/kernels in the installed environment (TRITON_INTERPRET=1 without a GPU)."""
+def _echo_stdout(chunk: bytes) -> None:
+    out = getattr(sys.stdout, "buffer", None)
+    if out is not None:
+        out.write(chunk)
+    else:
+        sys.stdout.write(chunk.decode(errors="replace"))
+    sys.stdout.flush()
+
+
+def run_streaming(cmd: list[str], cwd: Path, env: dict, timeout: float, echo=_echo_stdout,
+                  keep: int = 256_000) -> tuple[int | None, str]:
+    """Run cmd with stdout and stderr merged, handing each chunk to echo as it arrives (pytest's
+    progress dots show while the tests run); returns (exit code, the output's last `keep` bytes),
+    or (None, ...) after killing it at the timeout."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            **child_kwargs())
+    deadline = time.monotonic() + timeout
+    buf = bytearray()
+    fd = proc.stdout.fileno()
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    proc.kill()
+                    proc.wait()
+                    proc.stdout.close()
+                    return None, buf.decode(errors="replace")
+                if not sel.select(timeout=min(left, 1.0)):
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                if echo is not None:
+                    echo(chunk)
+                buf += chunk
+                if len(buf) > 2 * keep:
+                    del buf[:-keep]
+    except BaseException:  # Ctrl-C / SIGTERM: end pytest with the tool
+        proc.kill()
+        proc.wait()
+        raise
+    proc.stdout.close()
+    return proc.wait(), bytes(buf[-keep:]).decode(errors="replace")
+
+
+def kernel_tests(python: Path, project_root: Path, tests_dir: Path, cuda: bool, timeout: int = 3600,
+                 echo=_echo_stdout) -> dict:
+    """(c): pytest tests/kernels in the installed environment (TRITON_INTERPRET=1 without a GPU);
+    pytest's output is streamed to echo (stdout) while it runs."""
     tests = sorted(tests_dir.glob("test_*.py")) + sorted(tests_dir.glob("*_test.py")) if tests_dir.is_dir() else []
     if not tests:
         return {"ok": True, "skipped": f"{tests_dir.relative_to(project_root)} has no tests yet", "ran": False}
@@ -227,20 +277,19 @@ def kernel_tests(python: Path, project_root: Path, tests_dir: Path, cuda: bool, 
         env["TRITON_INTERPRET"] = "1"
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests_dir.relative_to(project_root))]
     t0 = time.time()
-    try:
-        r = subprocess.run(cmd, cwd=project_root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    rc, output = run_streaming(cmd, project_root, env, timeout, echo)
+    if rc is None:
         return {"ok": False, "ran": True, "problems": [f"kernel tests did not finish in {timeout} s"]}
-    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    tail = output.strip().splitlines()[-15:]
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed|error)", line)), tail[-1] if tail else "")
     return {
-        "ok": r.returncode == 0,
+        "ok": rc == 0,
         "ran": True,
-        "exit": r.returncode,
+        "exit": rc,
         "interpreter": not cuda,
         "summary": summary.strip("= "),
         "seconds": round(time.time() - t0, 1),
-        "problems": [] if r.returncode == 0 else [f"pytest exit {r.returncode}: {summary}"]
+        "problems": [] if rc == 0 else [f"pytest exit {rc}: {summary}"]
         + [line for line in tail if line.startswith(("FAILED ", "ERROR "))],
     }
 

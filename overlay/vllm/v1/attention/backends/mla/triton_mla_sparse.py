@@ -27,15 +27,12 @@ Kernels: ``vllm/v1/attention/ops/triton_sparse_mla.py`` (attention) and
 ``vllm/v1/attention/ops/triton_mla_kv_cache.py`` (cache writes).
 """
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from vllm.config.cache import CacheDType
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import sparse_mla_attention
-from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
     SparseMLACommonMetadataBuilder,
@@ -45,14 +42,11 @@ from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionLayer,
-    AttentionMetadata,
     AttentionType,
     MultipleOf,
 )
-from vllm.v1.attention.backends.mla.sparse_utils import (
-    triton_convert_req_index_to_global_index,
-    triton_filter_and_convert_dcp_index,
-)
+from vllm.v1.attention.backends.mla import triton_mla_sparse_compat as compat
+from vllm.v1.attention.ops import mla_kv_format
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,40 +56,33 @@ logger = init_logger(__name__)
 
 BACKEND_NAME = "TRITON_MLA_SPARSE"
 
-# Where the pins differ (0.26.0 vs 0.33.0), the shared sparse-MLA base classes tell which
-# side this tree is on:
-# - 0.33.0 has SparseMLACommonMetadata and SparseMLACommonImpl.forward_mqa, which turns the
-#   indexer's request-local top-k into physical rows of a flat row view of the cache (DCP and
-#   HiSparse included) and calls _forward_mqa_kernel; 0.26.0 has neither, so forward_mqa is ours.
-# - 0.33.0 writes fp8_ds_mla tile scales as powers of two, 0.26.0 as plain amax / 448 (both
-#   read from the release wheels' writers); our cache writer follows the pin.
-_COMMON_SPARSE_METADATA = getattr(sparse_mla_attention, "SparseMLACommonMetadata", None)
-_BASE_CONVERTS_TOPK = hasattr(SparseMLACommonImpl, "_forward_mqa_kernel")
-_DS_SCALE_FORMAT = "pow2_fp32" if _BASE_CONVERTS_TOPK else "arbitrary_fp32"
+# What differs between the vLLM pins (top-k path, metadata class, fp8_ds_mla scale
+# format, KV spec hook, indexer scale format) is one entry per API generation in
+# triton_mla_sparse_compat.py; API is the entry for this tree.
+API = compat.API
+_DS_SCALE_FORMAT = API.ds_scale_format
 
 # Latent (kv_lora_rank) and rope widths of DeepSeek-V3.2-style MLA; GLM-5 uses
 # the same 512 + 64 whatever its qk_nope_head_dim (192): the absorbed decode
 # only ever sees 576-wide keys and 512-wide values.
-MLA_LATENT_DIM = 512
-MLA_ROPE_DIM = 64
-MLA_HEAD_SIZE = MLA_LATENT_DIM + MLA_ROPE_DIM
-FP8_DS_MLA_BYTES_PER_TOKEN = 656
+# Row layouts, aliases and sizes of the three cache formats: ops/mla_kv_format.py.
+MLA_LATENT_DIM = mla_kv_format.LATENT_DIM
+MLA_ROPE_DIM = mla_kv_format.ROPE_DIM
+MLA_HEAD_SIZE = mla_kv_format.HEAD_DIM
+FP8_DS_MLA_BYTES_PER_TOKEN = mla_kv_format.kv_cache_row_bytes("fp8_ds_mla")
 
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 
 
 def kv_format_of(kv_cache_dtype: str) -> str:
-    """Map vLLM's kv_cache_dtype string to the kernels' format name."""
-    if kv_cache_dtype == "fp8_ds_mla":
-        return "fp8_ds_mla"
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return "fp8"
-    if kv_cache_dtype in ("auto", "bfloat16", "float16"):
-        return "auto"
-    raise ValueError(
-        f"{BACKEND_NAME} does not support kv_cache_dtype={kv_cache_dtype!r}; "
-        "use auto/bfloat16, fp8/fp8_e4m3 or fp8_ds_mla."
-    )
+    """Check vLLM's kv_cache_dtype string against the kernels' formats and return
+    the name the kernels take (the string itself; they accept vLLM's names)."""
+    if kv_cache_dtype not in mla_kv_format.KV_FORMAT_ALIASES:
+        raise ValueError(
+            f"{BACKEND_NAME} does not support kv_cache_dtype={kv_cache_dtype!r}; "
+            "use auto/bfloat16, fp8/fp8_e4m3 or fp8_ds_mla."
+        )
+    return kv_cache_dtype
 
 
 class TritonMLASparseBackend(AttentionBackend):
@@ -118,11 +105,8 @@ class TritonMLASparseBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        # (0.33.0) The base class reads the cache as flat rows, so blocks must be a
-        # whole number of rows apart.
-        from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows
-
-        return align_blocks_to_rows(spec)
+        # (0.33.0 calls this hook; 0.26.0 has none)
+        return API.customize_kv_spec(spec)
 
     @staticmethod
     def get_name() -> str:
@@ -199,41 +183,11 @@ class TritonMLASparseBackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         if cache_dtype_str == "fp8_ds_mla":
-            return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
+            return (num_blocks, block_size, mla_kv_format.kv_cache_row_elems(cache_dtype_str))
         return (num_blocks, block_size, head_size)
 
 
-if _COMMON_SPARSE_METADATA is not None:
-
-    class TritonMLASparseMetadata(_COMMON_SPARSE_METADATA):  # type: ignore[misc,valid-type]
-        """0.33.0: the shared sparse-MLA metadata carries everything the kernel needs."""
-
-else:
-
-    @dataclass
-    class TritonMLASparseMetadata(AttentionMetadata):
-        num_reqs: int
-        max_query_len: int
-        max_seq_len: int
-        num_actual_tokens: int
-
-        query_start_loc: torch.Tensor
-        slot_mapping: torch.Tensor
-        block_table: torch.Tensor
-        # Request index of every query token: turns the indexer's request-local
-        # top-k positions into physical cache slots.
-        req_id_per_token: torch.Tensor
-
-        seq_lens: torch.Tensor
-        num_decodes: int
-        num_prefills: int
-        num_decode_tokens: int
-        prefill_max_seq_len: int = 0
-        prefill: MLACommonPrefillMetadata | None = None
-
-        block_size: int = 64
-        topk_tokens: int = 2048
-        cp_kv_cache_interleave_size: int = 1
+TritonMLASparseMetadata = API.make_metadata_cls()
 
 
 class TritonMLASparseMetadataBuilder(
@@ -260,7 +214,12 @@ class TritonMLASparseMetadataBuilder(
         )
 
 
-class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
+class TritonMLASparseImpl(
+    API.topk_mixin, SparseMLACommonImpl[TritonMLASparseMetadata]
+):
+    # The top-k -> cache rows step (forward_mqa on 0.26.0, _forward_mqa_kernel on
+    # 0.33.0) comes from API.topk_mixin; both end in _run_kernel.
+    #
     # Every token, prefill included, goes through the sparse top-k kernel.
     supports_dense_mha_prefill = False
     # The kernel returns the natural-log LSE that decode context parallelism
@@ -314,6 +273,10 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
                 f"{self.kv_lora_rank} + {self.qk_rope_head_dim}"
             )
         self.kv_format = kv_format_of(kv_cache_dtype)
+        # fp8/fp8_e4m3: one per-tensor k_scale per layer, outside the rows.
+        self._per_tensor_k_scale = (
+            mla_kv_format.KV_FORMAT_ALIASES[self.kv_format] == mla_kv_format.FMT_FP8
+        )
         # The kernel reads a bf16/fp16 query; it dequantizes the cache itself.
         self.supports_quant_query_input = False
 
@@ -361,64 +324,9 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             indices,
             self.scale,
             self.kv_format,
-            k_scale=layer._k_scale if self.kv_format == "fp8" else None,
+            k_scale=layer._k_scale if self._per_tensor_k_scale else None,
         )
         return out, (lse if self.need_to_return_lse_for_decode else None)
-
-    if _BASE_CONVERTS_TOPK:
-        # 0.33.0: SparseMLACommonImpl.forward_mqa converts the top-k (incl. DCP and
-        # HiSparse) into rows of flat_kv_row_view(kv_cache) and calls this.
-        def _forward_mqa_kernel(
-            self,
-            q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-            kv_cache: torch.Tensor,
-            topk_indices: torch.Tensor,
-            valid_counts: torch.Tensor,
-            *,
-            layer: AttentionLayer,
-            block_size: int,
-            is_decode: bool,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            from vllm.v1.attention.backends.mla.sparse_utils import flat_kv_row_view
-
-            rows, _ = flat_kv_row_view(kv_cache, block_size)
-            # [num_rows, 1, W]: one row per "block", so slot == row index.
-            return self._run_kernel(q, rows.unsqueeze(1), topk_indices, layer)
-
-    else:
-        # 0.26.0: the impl converts the indexer's request-local positions itself.
-        def forward_mqa(
-            self,
-            q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-            kv_c_and_k_pe_cache: torch.Tensor,
-            attn_metadata: TritonMLASparseMetadata,
-            layer: AttentionLayer,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            num_tokens = q[0].shape[0] if isinstance(q, tuple) else q.shape[0]
-            assert self.topk_indices_buffer is not None
-            topk_indices = self.topk_indices_buffer[:num_tokens]
-            req_id = attn_metadata.req_id_per_token[:num_tokens]
-            if self.dcp_world_size > 1:
-                indices, _ = triton_filter_and_convert_dcp_index(
-                    req_id,
-                    attn_metadata.block_table,
-                    topk_indices,
-                    dcp_size=self.dcp_world_size,
-                    dcp_rank=self.dcp_rank,
-                    cp_kv_cache_interleave_size=attn_metadata.cp_kv_cache_interleave_size,
-                    BLOCK_SIZE=attn_metadata.block_size,
-                    NUM_TOPK_TOKENS=topk_indices.shape[1],
-                    return_valid_counts=True,
-                )
-            else:
-                indices = triton_convert_req_index_to_global_index(
-                    req_id,
-                    attn_metadata.block_table,
-                    topk_indices,
-                    BLOCK_SIZE=attn_metadata.block_size,
-                    NUM_TOPK_TOKENS=topk_indices.shape[1],
-                )
-            return self._run_kernel(q, kv_c_and_k_pe_cache, indices, layer)
 
 
 def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
@@ -434,21 +342,13 @@ def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
 
     if not current_platform.is_cuda():
         return False
-    if _indexer_cache_uses_mx_scales():
+    if API.indexer_cache_uses_mx_scales():
         # vLLM 0.33+ on SM100 writes the indexer cache with MX (UE8M0 x4) scales
         # in the model's fused K-cache kernel; the Triton kernels read fp32 scales.
         return False
     if not (has_deep_gemm() and current_platform.support_deep_gemm()):
         return True
     return selected_sparse_mla_backend(vllm_config) == BACKEND_NAME
-
-
-def _indexer_cache_uses_mx_scales() -> bool:
-    try:  # vLLM 0.33+; 0.26 always stores fp32 scales
-        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
-    except ImportError:
-        return False
-    return mqa_logits_use_mx_scales()
 
 
 def selected_sparse_mla_backend(vllm_config: "VllmConfig") -> str:

@@ -1,4 +1,4 @@
-"""tools/e2e_common.py and the pieces of tools/e2e_correctness.py that run without a GPU."""
+"""e2e/e2e_common.py and the pieces of e2e/e2e_correctness.py that run without a GPU."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,9 @@
-"""tools/e2e_tp.py's summary (the part of the multi-GPU plan that runs without GPUs)."""
+"""e2e/e2e_tp.py's summary (the part of the multi-GPU plan that runs without GPUs)."""
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import e2e_tp  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 
 One invocation, under 8 minutes on an H200 (the model is built on the host, never committed):
 
-1. build (or reuse) the tiny GLM-5 model of tools/e2e_model.py: real attention dims, index_topk
+1. build (or reuse) the tiny GLM-5 model of e2e/e2e_model.py: real attention dims, index_topk
    256, 3 layers + MTP, random bf16 weights with a planted sparse structure, tokenizer;
 2. HF reference (transformers' GlmMoeDsaForCausalLM, float32 on the GPU; its RoPE is checked to be
    interleaved in MLA and indexer, its weights checked against the checkpoint): teacher-forced
@@ -33,7 +33,7 @@ engine's log), $OUT/e2e_correctness_summary.txt (the table). Written as results 
 
 usage (GPU host, staged vLLM in /tmp/site):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \\
-      python3 tools/e2e_correctness.py
+      python3 e2e/e2e_correctness.py
   options: --engines NAME,... (see --list)  --mode graphs|eager|compile  --deadline-s 450  --quick
 """
 from __future__ import annotations

@@ -36,9 +36,9 @@ Only torch, safetensors, tokenizers and the standard library are needed to build
 for ``--check-hf`` and the reference helpers.
 
 usage:
-  python tools/e2e_model.py --out /tmp/e2e/glm5-tiny                 # build (about 10 s on 16 cores)
-  python tools/e2e_model.py --out /tmp/e2e/glm5-tiny --check-hf      # build, then verify against HF
-  python tools/e2e_model.py --out /tmp/e2e/glm5-6l --preset glm5-6l  # config only
+  python e2e/e2e_model.py --out /tmp/e2e/glm5-tiny                 # build (about 10 s on 16 cores)
+  python e2e/e2e_model.py --out /tmp/e2e/glm5-tiny --check-hf      # build, then verify against HF
+  python e2e/e2e_model.py --out /tmp/e2e/glm5-6l --preset glm5-6l  # config only
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ from typing import Any
 # Configurations
 # ----------------------------------------------------------------------------------------------
 
-# GLM-5 / GLM-5.1 public config.json, as ../shared/models/glm-5/config.json restates it (the GPU host
-# does not have shared/, so it lives here too; tests/e2e checks that the two agree).
+# GLM-5 / GLM-5.1 public config.json, as tests/data/glm-5-config.json restates it (the GPU host gets
+# only this folder's scripts, so it lives here too; e2e/tests checks that the two agree).
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",

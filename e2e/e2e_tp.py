@@ -2,12 +2,12 @@
 """Tensor parallelism on several GPUs (issue 7): TRITON_MLA_SPARSE at TP 1/2/4/8 against FLASHMLA_SPARSE.
 
 Runs on a machine with several GPUs (nvidia-h200-x2/-x4/-x8), the patched vLLM 0.26.0 staged as for
-the one-GPU scripts (../shared/gpu-host/). Two parts, each one call of the existing scripts per TP
+the one-GPU scripts (docs/BACKGROUND.md, "The GPU host of the measurements"). Two parts, each one call of the existing scripts per TP
 size so every call stays inside the 10-minute limit:
 
-  correctness  tools/e2e_correctness.py --tp N --engines triton_fp8_ds_mla,flashmla_fp8_ds_mla
+  correctness  e2e/e2e_correctness.py --tp N --engines triton_fp8_ds_mla,flashmla_fp8_ds_mla
                (tiny GLM-5 with 64 heads: 8 heads per rank at TP8; latent KV and indexer replicated)
-  throughput   tools/e2e_throughput.py --tp N --contexts 4096 --batches 1,64
+  throughput   e2e/e2e_throughput.py --tp N --contexts 4096 --batches 1,64
                --backends triton_fp8_ds_mla,flashmla_fp8_ds_mla (GLM-5-shaped, 6 layers)
 
 then `--summarize A.json B.json ...` (here or there) writes bench/results/tp_h200.json:
@@ -18,10 +18,10 @@ change in KL, not a direct vLLM-vs-vLLM KL); decode tok/s at batch 1 and 64 per 
 with the ratio to FLASHMLA_SPARSE at the same TP.
 
 usage (GPU host):
-  python3 tools/e2e_tp.py --part correctness --tp 8      # writes $OUT/tp_correctness_tp8.json
-  python3 tools/e2e_tp.py --part throughput --tp 8       # writes $OUT/tp_throughput_tp8.json
+  python3 e2e/e2e_tp.py --part correctness --tp 8      # writes $OUT/tp_correctness_tp8.json
+  python3 e2e/e2e_tp.py --part throughput --tp 8       # writes $OUT/tp_throughput_tp8.json
 usage (anywhere):
-  python3 tools/e2e_tp.py --summarize tp_correctness_tp1.json tp_correctness_tp8.json \\
+  python3 e2e/e2e_tp.py --summarize tp_correctness_tp1.json tp_correctness_tp8.json \\
       tp_throughput_tp1.json tp_throughput_tp8.json --out bench/results/tp_h200.json
 """
 from __future__ import annotations

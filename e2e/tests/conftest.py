@@ -1,4 +1,4 @@
-"""Fixtures for the CPU tests of the end-to-end harness (tools/e2e_*.py).
+"""Fixtures for the CPU tests of the end-to-end harness (e2e/e2e_*.py).
 
 The harness itself runs on the GPU host; here we test everything that needs neither vLLM's engine
 nor a GPU: the model builder (vs transformers' GlmMoeDsaForCausalLM), the planted sparse structure,
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = REPO / "tools"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+E2E = REPO / "e2e"
+if str(E2E) not in sys.path:
+    sys.path.insert(0, str(E2E))
 
 
 @pytest.fixture(scope="session")

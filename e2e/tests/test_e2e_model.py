@@ -1,4 +1,4 @@
-"""tools/e2e_model.py: configs, checkpoint names, weights, planted structure, tokenizer, HF checks."""
+"""e2e/e2e_model.py: configs, checkpoint names, weights, planted structure, tokenizer, HF checks."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 import e2e_model as M
 
-SHARED_GLM5 = Path(__file__).resolve().parents[1] / "data" / "glm-5-config.json"  # copy of ../shared/models/glm-5/config.json
+SHARED_GLM5 = Path(__file__).resolve().parents[2] / "tests" / "data" / "glm-5-config.json"
 
 
 def test_embedded_glm5_config_matches_shared():

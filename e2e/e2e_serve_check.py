@@ -4,8 +4,8 @@ verification 4).
 
 Steps (each logged with its time; results as they come to $OUT/e2e_serve_check_h200.json):
 1. preflight: in the engine's environment, import every module the server path needs and name all
-   that are missing at once (tools/gpu-host-serve-deps.txt lists the wheels the host lacks);
-2. model: build or reuse the tiny GLM-5 of tools/e2e_model.py (same place as e2e_correctness.py);
+   that are missing at once (e2e/gpu-host-serve-deps.txt lists the wheels the host lacks);
+2. model: build or reuse the tiny GLM-5 of e2e/e2e_model.py (same place as e2e_correctness.py);
 3. start `python -m vllm.entrypoints.cli.main serve MODEL --attention-backend TRITON_MLA_SPARSE
    --kv-cache-dtype fp8_ds_mla ...` (the `vllm` console script is not installed with pip --target),
    wait for /health;
@@ -14,9 +14,9 @@ Steps (each logged with its time; results as they come to $OUT/e2e_serve_check_h
    finish_reason, usage; prompt_tokens equal to the chat template's token count computed here);
 5. shut the server down (SIGINT, then SIGKILL of its process group after 30 s).
 
-usage (GPU host, staged vLLM in /tmp/site, plus the wheels of tools/gpu-host-serve-deps.txt):
+usage (GPU host, staged vLLM in /tmp/site, plus the wheels of e2e/gpu-host-serve-deps.txt):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \\
-      python3 tools/e2e_serve_check.py [--kv-cache-dtype fp8_ds_mla] [--port 8765] [--eager]
+      python3 e2e/e2e_serve_check.py [--kv-cache-dtype fp8_ds_mla] [--port 8765] [--eager]
 Only the standard library is needed for the HTTP side (urllib).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Harness shared by the end-to-end scripts (tools/e2e_correctness.py, e2e_throughput.py,
+"""Harness shared by the end-to-end scripts (e2e/e2e_correctness.py, e2e_throughput.py,
 e2e_serve_check.py): phase logging with timings, results written as they come, engine jobs in
 their own subprocesses (one GPU engine at a time, the next job's `import vllm` overlapped with the
 current one), the environment the staged vLLM needs, and small statistics helpers.
@@ -24,7 +24,8 @@ from typing import Any, Callable
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# What the staged vLLM on the offline GPU host needs (../shared/gpu-host/unpack.py prints the same).
+# What the staged vLLM on the offline GPU host needs (the staging helper prints the same;
+# docs/BACKGROUND.md, "The GPU host of the measurements").
 STAGED_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "HF_HUB_OFFLINE": "1",

@@ -4,7 +4,7 @@
 Model: GLM-5 at real dimensions (hidden 6144, 64 heads, qk 192/64, v 256, q_lora 2048, kv_lora 512,
 indexer 32 x 128, index_topk 2048, 256 experts top-8 + 1 shared, vocab 154880) with 6 layers (3
 dense + 3 MoE, GLM-5's first six) and GLM-5-FP8's block-FP8 quantization_config; weights initialised
-in place (load_format="dummy"; config.json only, from tools/e2e_model.py --preset glm5-6l), TP1.
+in place (load_format="dummy"; config.json only, from e2e/e2e_model.py --preset glm5-6l), TP1.
 
 One engine per (backend, KV dtype), each in its own subprocess, reused across contexts and batch
 sizes; decode batches replay full CUDA graphs (FULL_DECODE_ONLY; `--compile` adds vLLM's
@@ -38,10 +38,10 @@ every backend alike, so no DeepGEMM JIT of GEMM shapes at start); FLASHMLA_SPARS
 JIT-compiles DeepGEMM's MQA-logits kernels (upstream has no other CUDA path).
 
 usage (GPU host, staged vLLM in /tmp/site):
-  python3 tools/e2e_throughput.py --plan                       # time estimate per engine, no GPU
-  python3 tools/e2e_throughput.py --contexts 4096
-  python3 tools/e2e_throughput.py --contexts 32768 --backends triton_fp8_ds_mla,flashmla_fp8_ds_mla
-  python3 tools/e2e_throughput.py --merge a.json b.json ...    # one e2e_h200.json from several calls
+  python3 e2e/e2e_throughput.py --plan                       # time estimate per engine, no GPU
+  python3 e2e/e2e_throughput.py --contexts 4096
+  python3 e2e/e2e_throughput.py --contexts 32768 --backends triton_fp8_ds_mla,flashmla_fp8_ds_mla
+  python3 e2e/e2e_throughput.py --merge a.json b.json ...    # one e2e_h200.json from several calls
 """
 from __future__ import annotations
 
@@ -421,11 +421,11 @@ def driver(a: argparse.Namespace) -> int:
     run = C.Run(res_path, results, tag="e2e-tput")
     env = C.engine_env({"VLLM_USE_DEEP_GEMM": os.environ.get("VLLM_USE_DEEP_GEMM", "0")})
     with run.phase("preflight", fatal=True):
-        # a quantized model makes vLLM import compressed_tensors (tools/gpu-host-fp8-deps.txt)
+        # a quantized model makes vLLM import compressed_tensors (e2e/gpu-host-fp8-deps.txt)
         pf = C.preflight_imports(PREFLIGHT_MODULES, env)
         results["preflight"] = pf
         if pf.get("error") or pf.get("missing"):
-            raise RuntimeError("missing on this host (stage tools/gpu-host-fp8-deps.txt with vLLM): "
+            raise RuntimeError("missing on this host (stage e2e/gpu-host-fp8-deps.txt with vLLM): "
                                + json.dumps(pf.get("missing") or pf)[:2000])
     model_dir = work / "glm5-6l"
     with run.phase("model", fatal=True):

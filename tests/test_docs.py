@@ -1,0 +1,116 @@
+"""README.md and docs/ stand on their own: every link and every repository path they name exists
+in the checkout, and none points outside it (a clone has no ../shared or other neighbours)."""
+from __future__ import annotations
+
+import glob
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+# top-level folders and files of the repository; a path written from one of them is a repository path
+ROOTS = ("tools", "tests", "e2e", "bench", "kernels", "overlay", "patches", "docs")
+TOP_FILES = ("pins.lock", "pyproject.toml", "README.md", ".ci/run")
+# made by the tool or on the GPU host, never committed
+GENERATED = ("work/", ".venv", "dist/", ".peers", "$OUT", "~/")
+
+# prose that looks like a path: "overlay/kernels files", the git branch `overlay/<pin>`
+NOT_PATHS = {"overlay/kernels", "overlay/0.26.0"}
+# results the README names before their first GPU run, each saying so where it is named; an entry
+# must go once the file exists (test_pending_results_are_still_pending)
+PENDING = {
+    "bench/results/sparse_prefill_h200.*": "bench/sparse_mla_decode.py --prefill has not run on the GPU yet",
+    "bench/results/sparse_prefill_h200.json": "bench/sparse_mla_decode.py --prefill has not run on the GPU yet",
+}
+
+MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+REPO_PATH = re.compile(
+    r"(?<![\w./$~-])((?:%s)/[\w./*-]*[\w*]|(?:%s)(?![\w.]))" % (
+        "|".join(ROOTS), "|".join(re.escape(f) for f in TOP_FILES)))
+PLACEHOLDER = re.compile(r"<[^>]*>|\bX\.py\b|\bNNNN\b|\{")
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file."""
+    out = set()
+    for line in md.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            title = re.sub(r"[^\w\- ]", "", title)
+            out.add(title.replace(" ", "-"))
+    return out
+
+
+def _links(doc: Path):
+    for n, line in enumerate(doc.read_text().splitlines(), 1):
+        for m in MD_LINK.finditer(line):
+            yield n, m.group(1)
+
+
+def _paths(doc: Path):
+    text = doc.read_text()
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in REPO_PATH.finditer(line):
+            # a placeholder right after the match (`patches/<pin>/`) makes it a pattern, not a path
+            tail = line[m.end():m.end() + 2]
+            yield n, m.group(1), tail
+
+
+def _exists(rel: str) -> bool:
+    rel = rel.rstrip("/").rstrip(".")
+    if "*" in rel:
+        return bool(glob.glob(str(REPO / rel)))
+    return (REPO / rel).exists()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_markdown_links_resolve_inside_the_repository(doc):
+    bad = []
+    for n, target in _links(doc):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if REPO not in dest.parents and dest != REPO:
+            bad.append(f"{doc.name}:{n}: {target} points outside the repository")
+        elif not dest.exists():
+            bad.append(f"{doc.name}:{n}: {target} does not exist")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{doc.name}:{n}: {target}: no heading #{anchor} in {dest.name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_repository_paths_named_in_docs_exist(doc):
+    bad = []
+    for n, rel, tail in _paths(doc):
+        if "<" in tail or "{" in tail or rel in NOT_PATHS or rel in PENDING:
+            continue
+        if PLACEHOLDER.search(rel) or any(rel.startswith(g) for g in GENERATED):
+            continue
+        if not _exists(rel):
+            bad.append(f"{doc.relative_to(REPO)}:{n}: {rel}")
+    assert not bad, "paths named in the docs that are not in the checkout:\n" + "\n".join(bad)
+
+
+def test_docs_do_not_send_readers_outside_the_checkout():
+    bad = [f"{d.relative_to(REPO)}:{n}" for d in DOCS
+           for n, line in enumerate(d.read_text().splitlines(), 1) if "../shared" in line]
+    assert not bad, "references to ../shared, which a clone does not have: " + ", ".join(bad)
+
+
+def test_the_path_scanner_sees_a_missing_file(tmp_path):
+    """The checks above would pass vacuously if the scanner matched nothing."""
+    doc = tmp_path / "x.md"
+    doc.write_text("run `tools/no_such_tool.py` and see [it](../nowhere.md); `kernels/*.py`\n")
+    found = [rel for _, rel, _ in _paths(doc)]
+    assert found == ["tools/no_such_tool.py", "kernels/*.py"]
+    assert not _exists("tools/no_such_tool.py") and _exists("kernels/*.py")
+    assert [t for _, t in _links(doc)] == ["../nowhere.md"]
+
+
+def test_pending_results_are_still_pending():
+    done = [rel for rel in PENDING if _exists(rel)]
+    assert not done, f"now in the checkout, remove from PENDING in tests/test_docs.py: {done}"
