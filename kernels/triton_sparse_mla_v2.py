@@ -24,18 +24,24 @@ raw bytes go to a shared-memory ring by cp.async while the previous tile compute
   rope part is used straight from the ring (it is already 16-bit);
 * ``q`` staged once per program in shared memory (its A operand is reloaded per 64-wide chunk, so
   no warp keeps 576 columns of q in registers);
-* two CTA barriers per tile; ~100-130 registers, ~91 KB of shared memory with BLOCK_N = 32
-  (two CTAs per SM on SM90's 228 KB; one on SM120's 100 KB, where the ring still keeps a whole tile
-  (21 KB) in flight per SM).
+* the softmax reads S back from a 2 KB shared tile in the PV MMA's A-operand layout (row max by
+  quad shuffles, P already in place; row sums reduced once after the loop);
+* three CTA barriers per tile (wait for the tile, after the dequantization, after the S exchange);
+  95,232 B of shared memory with BLOCK_N = 32 and 218-248 registers (Triton 3.6/3.8, sm_90 /
+  sm_120), no spills: two CTAs per SM on SM90's 228 KB, one on SM120's ~100 KB, where the ring
+  still keeps a whole tile (21 KB) in flight per SM.
+
+Gluon's ``mma_v2`` is mma.sync whatever ``DISABLE_MMA_V3`` says (that flag steers Triton's
+``tl.dot`` lowering, which Gluon does not run).
 
 Scope: ``kv_format == "fp8_ds_mla"``, 1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability
 8.x, 9.x or 12.x, Triton with Gluon. Every other call goes to v1 (``sparse_mla_decode``) -- the
 fallback is explicit: :func:`v2_unsupported_reason` says why for a given call, and
 ``sparse_mla_decode_v2(..., fallback=False)`` raises instead of falling back.
 
-Gluon kernels do not run in Triton's CPU interpreter; on CPU they are only compiled for a target
-(``SM120_COMPILE_SPECS``, ``tests/kernels/test_sparse_mla_v2.py``). The CPU reference is v1's
-float64 ``sparse_mla_decode_reference`` (re-exported here).
+Gluon kernels do not run in Triton's CPU interpreter; on CPU they are compiled for a target
+(``SM120_COMPILE_SPECS``) and their bodies run under ``tests/kernels/gluon_emulator.py``. The
+reference is v1's float64 ``sparse_mla_decode_reference`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -540,6 +546,10 @@ def sparse_mla_decode_v2(
     if validate and T * topk > 0 and bool((indices >= num_slots).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
     if T == 0:
+        return out, lse
+    if topk == 0:  # every row empty (no kernel: an empty indices tensor may have no storage)
+        out.zero_()
+        lse.fill_(float("-inf"))
         return out, lse
 
     major, _, num_sms = _device_props(q.device)

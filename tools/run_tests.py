@@ -88,10 +88,12 @@ def check_torch(python: Path) -> str:
 
 def pin_build_command(tool_py: Path, version: str, venv_dir: Path) -> list[str]:
     """Step 4's build + install + verify of one pin: tree, wheel and report under
-    work/test-run/<pin>/, never the main job's work/<pin>/."""
+    work/test-run/<pin>/, never the main job's work/<pin>/. The tree is the test's own, so it is
+    always rebuilt from patches/<pin> (--rebuild --force): the tests see the committed series even
+    when an earlier run's tree holds other patch commits."""
     work = TEST_WORK / version
     return [str(tool_py), "tools/apply.py", "--vllm", version, "--work", str(work / "tree"), "--out", str(work),
-            "--venv", str(venv_dir), "all", "--deps", "minimal", "--no-kernel-tests"]
+            "--venv", str(venv_dir), "all", "--rebuild", "--force", "--deps", "minimal", "--no-kernel-tests"]
 
 
 def run(cmd: list[str], env: dict | None = None, allow_no_tests: bool = False) -> None:

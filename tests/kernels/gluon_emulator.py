@@ -127,7 +127,10 @@ class Ptr:
 
     def load(self, mask=None, other=None):
         idx, mask, es = self._idx(mask)
-        vals = self.buf[idx].contiguous().view(self.dt)[..., 0]
+        raw = torch.zeros(idx.shape, dtype=torch.uint8)
+        if mask.any():  # masked lanes are never dereferenced
+            raw[mask] = self.buf[idx[mask]]
+        vals = raw.view(self.dt)[..., 0]
         fill = torch.zeros((), dtype=self.dt) if other is None else torch.tensor(other).to(self.dt)
         return torch.where(mask, vals, fill)
 

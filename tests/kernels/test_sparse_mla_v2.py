@@ -382,9 +382,12 @@ def test_gpu_v2_edge_rows_duplicates_out_of_range(seed):
     assert torch.allclose(one([5, 5, 9]), torch.logaddexp(one([5, 9, -1]), one([5, -1, -1])), atol=1e-3)
     with pytest.raises(ValueError, match="slots"):
         v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", validate=True)
-    # topk = 0: every row empty
+    # topk = 0: every row empty (the reference cannot reduce over an empty top-k)
     e = torch.empty((2, 0), device="cuda", dtype=torch.int32)
-    check(q[:2], cache, e)
+    out = torch.full((2, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((2, H), float("nan"), device="cuda")
+    v2.sparse_mla_decode_v2(q[:2], cache, e, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
 @pytest.mark.gpu

@@ -42,3 +42,7 @@ def test_step_4_builds_outside_the_main_jobs_work_folder(tmp_path):
     assert cmd[cmd.index("--work") + 1] == str(work / "tree") and cmd[cmd.index("--out") + 1] == str(work)
     r = subprocess.run([*cmd[:2], "--help"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0 and "--work DIR" in r.stdout and "--out DIR" in r.stdout
+    # the test's own tree always follows patches/<pin>, whatever an earlier run left in it
+    assert cmd[cmd.index("all"):cmd.index("all") + 3] == ["all", "--rebuild", "--force"]
+    r = subprocess.run([*cmd[:2], "all", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0 and "--rebuild" in r.stdout and "--force" in r.stdout
