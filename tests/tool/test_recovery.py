@@ -589,3 +589,12 @@ def test_a_childs_whole_process_group_ends_with_the_tool(tmp_path, sig):
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_nohup_keeps_ignoring_sighup(tmp_path):
+    code = (f"import signal, sys; sys.path.insert(0, {str(REPO / 'tools')!r})\n"
+            "from overlay_tool.safety import handle_signals\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\nhandle_signals()\n"
+            "assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN\n"
+            "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -220,7 +220,8 @@ def _as_interrupt(signum, frame):
 def handle_signals() -> None:
     """SIGTERM and SIGHUP end the tool like Ctrl-C: everything rolls back, exit 130."""
     for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _as_interrupt)
+        if signal.getsignal(s) is not signal.SIG_IGN:  # `nohup tools/apply.py` keeps ignoring hangups
+            signal.signal(s, _as_interrupt)
 
 
 def held_open(path: Path) -> list[int]:
