@@ -200,8 +200,8 @@ def _radix_select_desc(ku, m, rank, top_shift, npass, BITS: tl.constexpr):
     among the lanes sharing that prefix. With every bit examined, ``prefix`` is the value itself and
     ``r + 1`` of its ties are needed. Each pass: a ``2**BITS``-bin histogram of the masked digits
     (ballots per digit bit inside a warp, one shared-memory merge across warps); the per-pass fixed
-    cost (merge, barrier, bin scan) dominates, so 8-bit digits (4 passes for 32 bits) beat 4-bit
-    ones (8 passes)."""
+    cost is a merge, a barrier and a bin scan; a 256-bin histogram costs more than two 16-bin ones,
+    so 4-bit digits (8 passes for 32 bits) measured faster than 8-bit ones (see RADIX_BITS)."""
     NB: tl.constexpr = 1 << BITS
     dig = tl.arange(0, NB)
     prefix = tl.zeros([], dtype=tl.uint32)
@@ -446,7 +446,11 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     # takes 16 warps: at 8 it spills 64 B of stack on sm_120 with Triton 3.8 (vLLM 0.33.0's pin).
     if bits not in (4, 8):
         raise ValueError(f"radix digit width must be 4 or 8 bits, got {bits}")
+    # The merge of split rows (SPLIT > 1) keeps 8-bit digits: with 4 it needs a 24-40 B stack frame
+    # at 16 warps on sm_120 with Triton 3.6 (tools/sm120_check.py); with 8 it needs none.
+    merge_bits = bits if split == 1 else 8
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
+                MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
 
 
@@ -520,7 +524,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
         return out
     sms = 8 if (logits.device.type != "cuda" or _interpret()) else _num_sms(logits.device.index or 0)
     seg_min = overrides.pop("SEG_MIN", SEG_MIN)
-    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min)
+    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS))
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
@@ -547,7 +551,7 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
                                                 ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
-                                          GCHUNK=cfg["GCHUNK"], BITS=cfg["BITS"]), merge_warps))
+                                          GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"])), merge_warps))
     return plan
 
 
