@@ -92,7 +92,7 @@ LATENT_DIM = 512
 ROPE_DIM = 64
 HEAD_DIM = 576
 DS_ROW_BYTES = 656
-MAX_SPLITS = 64
+MAX_SPLITS = _v1.MAX_SPLITS  # what the shared merge kernel takes
 _LOG2E = 1.4426950408889634
 SM120_SHARED_LIMIT = 101376
 # Register cap passed to the launch: without it ptxas for sm_90 stops at 168 registers and spills
@@ -367,45 +367,6 @@ if HAS_GLUON:
             gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
-def _merge_kernel(
-    po_ptr, plse_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits,
-    stride_ot, stride_oh, stride_od,
-    stride_lt, stride_lh,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Merge ``num_splits`` partial (o normalized by its own sum, lse) pairs of one (token, head).
-    Program ``(t * H + h) * (512 // BLOCK_D) + d`` writes columns ``d*BLOCK_D ..`` of out[t, h]
-    and, for d == 0, lse[t, h]. All-empty rows give zeros and -inf."""
-    DV: tl.constexpr = 512
-    ND: tl.constexpr = DV // BLOCK_D
-    pid = tl.program_id(0)
-    dblk = pid % ND
-    row = pid // ND
-    h = row % num_heads
-    t = row // num_heads
-    base = row.to(tl.int64) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < num_splits
-    lse_s = tl.load(plse_ptr + base + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    finite = m > float("-inf")
-    m_safe = tl.where(finite, m, 0.0)
-    w = tl.where(smask, tl.exp(lse_s - m_safe), 0.0)
-    wsum = tl.sum(w, axis=0)
-    wn = tl.where(finite, w / tl.where(finite, wsum, 1.0), 0.0)
-    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
-    po = tl.load(po_ptr + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(po * wn[:, None], axis=0)
-    o_row = out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
-    tl.store(o_row + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
-    if dblk == 0:
-        lse = tl.where(finite, m_safe + tl.log(tl.where(finite, wsum, 1.0)), float("-inf"))
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
-
-
 # --------------------------------------------------------------------------------------------
 # Dispatch (shapes and device only: CUDA-graph safe)
 # --------------------------------------------------------------------------------------------
@@ -584,7 +545,8 @@ def sparse_mla_decode_v2(
         num_warps=nw, maxnreg=MAXNREG,
     )
     if split:
-        _merge_kernel[(T * H * (LATENT_DIM // 128),)](
+        # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
+        _v1._sparse_mla_merge_kernel[(T * H * (LATENT_DIM // 128),)](
             po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
@@ -646,7 +608,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
         for block_s in (16, MAX_SPLITS):
             specs.append({
                 "name": f"sparse_mla_v2_merge[{str(qdt).split('.')[-1]},BLOCK_S={block_s}]",
-                "fn": _merge_kernel,
+                "fn": _v1._sparse_mla_merge_kernel,
                 "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": qt, "lse_ptr": "*fp32",
                               "num_heads": "i32", "num_splits": "i32",
                               "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
