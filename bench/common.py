@@ -218,7 +218,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------
 
 
-def time_graph(fns, rep_ms: int = 60) -> float:
+def time_graph(fns, rep_ms: int = 60, warmup_ms: int = 20) -> float:
     """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once (warmed
     up eagerly on a side stream first: compiles and lazy metadata happen outside the capture)."""
     import torch
@@ -237,7 +237,7 @@ def time_graph(fns, rep_ms: int = 60) -> float:
             f()
     g.replay()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=20, rep=rep_ms, return_mode="median")
+    ms = triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     del g
     return ms * 1e3 / len(fns)
 

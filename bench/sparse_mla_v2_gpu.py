@@ -4,7 +4,7 @@
 float64, then CUDA-graph timings of v2, v1 (``kernels/triton_sparse_mla.py``) and a pure gather of
 the same cache rows (the memory-side limit of this access pattern).
 
-Run (H200; standard library + torch + triton only, < 300 s)::
+Run (H200; standard library + torch + triton and this repository, < 300 s)::
 
     OUT=/some/dir python bench/sparse_mla_v2_gpu.py                 # native SM90 dispatch
     DISABLE_MMA_V3=1 OUT=/some/dir python bench/sparse_mla_v2_gpu.py --sm120-proxy
@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from bench import common  # noqa: E402
 
 from kernels import triton_sparse_mla as v1  # noqa: E402
 from kernels import triton_sparse_mla_v2 as v2  # noqa: E402
@@ -140,22 +142,7 @@ def gather_fn(pool, idx, out, cfg):
 
 def time_graph(fns, rep_ms: int = 30) -> float:
     """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep_ms, return_mode="median")
-    del g
-    return ms * 1e3 / len(fns)
+    return common.time_graph(fns, rep_ms=rep_ms, warmup_ms=10)
 
 
 # --------------------------------------------------------------------------------------------
