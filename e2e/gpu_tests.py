@@ -10,8 +10,10 @@
   python3 e2e/gpu_tests.py --merge a.json b.json # ... then combine the partial files (here);
                                                  # a.json:plain takes only that mode of a.json
 
-Each mode runs `python -m pytest tests/kernels -v -rfEs --junitxml=...` in a fresh process with
-GLM5_REQUIRE_PEERS=1, so the byte comparisons against vLLM's compiled ops
+Each mode runs `python -m pytest tests/kernels -v -rfEs --junitxml=...` in fresh processes with
+GLM5_REQUIRE_PEERS=1 (--jobs N of them per mode side by side, each taking every N-th test through
+e2e/pytest_shard.py; with N > 1 the modes also run side by side: the suite is bound by Triton's
+compiles, which use one CPU core each), so the byte comparisons against vLLM's compiled ops
 (tests/kernels/test_vllm_cache_ops.py) fail instead of skipping when .peers-carry/ did not come
 along. The JSON records, per mode, the passed / failed / error / skipped counts, the failing test
 ids and the skip reasons, and for the run the exact command, the commit (git, or --commit where the
@@ -31,7 +33,6 @@ import json
 import lzma
 import os
 import re
-import selectors
 import shlex
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import time
 import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,54 +219,101 @@ def parse_verbose(text: str) -> dict:
     return {"counts": counts, "failed": failed, "errors": errors, "skip_reasons": {}}
 
 
-def run_mode(mode: str, tests: str, timeout_s: float, extra_env: dict | None = None) -> dict:
+def _failure_details(xml_text: str, limit: int = 4000) -> dict:
+    """nodeid -> the failure's text (assertion and traceback, its last ``limit`` characters)."""
+    out = {}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        for kid in case:
+            if kid.tag in ("failure", "error"):
+                nid = _nodeid(case.get("classname", ""), case.get("name", ""), case.get("file"))
+                text = ((kid.get("message") or "") + "\n" + (kid.text or "")).strip()
+                out[nid] = text[-limit:]
+    return out
+
+
+def _cut_off_in(text: str) -> str | None:
+    """The test that was running when a shard was stopped (pytest -v's unfinished last line)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if lines and "::" in lines[-1] and not _VERBOSE.match(lines[-1].strip()):
+        return lines[-1].strip().split(" ")[0]
+    return None
+
+
+def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, log_dir: Path | None,
+               extra_env: dict | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", *MODES["mma-v2"])}
     env.update(MODES[mode])
     env["GLM5_REQUIRE_PEERS"] = "1"
+    cmd = [sys.executable, "-m", "pytest", tests, "-v", "-rfEs", "-p", "no:cacheprovider"]
+    if jobs > 1:
+        env["PYTHONPATH"] = str(REPO / "e2e")
+        env["GLM5_TEST_SHARD"] = f"{shard}/{jobs}"
+        cmd += ["-p", "pytest_shard"]
     env.update(extra_env or {})
     with tempfile.TemporaryDirectory() as td:
         xml = Path(td) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", tests, "-v", "-rfEs", "-p", "no:cacheprovider",
-               f"--junitxml={xml}"]
-        shown = " ".join([*(f"{k}={v}" for k, v in MODES[mode].items()), "GLM5_REQUIRE_PEERS=1",
-                          "python -m pytest", tests, "-v", "-rfEs", "-p no:cacheprovider"])
-        log(f"mode {mode}: {shown}")
+        out_path = (log_dir / f"{mode}.{shard}.log") if log_dir else Path(td) / "out.log"
         t0 = time.time()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        timed_out = False
-        deadline = time.monotonic() + timeout_s
-        buf = bytearray()
-        fd = proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    proc.kill()
-                    break
-                if not sel.select(timeout=min(left, 1.0)):
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                buf += chunk
-        rc = proc.wait()
-        proc.stdout.close()
+        with open(out_path, "wb") as fh:
+            proc = subprocess.Popen([*cmd, f"--junitxml={xml}"], cwd=REPO, env=env, stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                rc = None
         seconds = round(time.time() - t0, 1)
-        text = buf.decode(errors="replace")
+        text = out_path.read_text(errors="replace")
         if not timed_out and xml.exists():
             res = parse_junit(xml.read_text())
+            res["failure_details"] = _failure_details(xml.read_text())
         else:
             res = parse_verbose(text)
-    out_lines = text.splitlines()
-    summary = next((ln.strip("= ") for ln in reversed(out_lines) if re.search(r"\d+ (passed|failed|error|skipped)", ln)),
-                   "")
-    res.update({"env": {**MODES[mode], "GLM5_REQUIRE_PEERS": "1"}, "pytest_command": shown,
-                "returncode": None if timed_out else rc, "timed_out": timed_out, "seconds": seconds,
-                "summary": summary})
+            res["failure_details"] = {}
+            res["cut_off_in"] = _cut_off_in(text)
+    res.update(returncode=rc, timed_out=timed_out, seconds=seconds,
+               summary=next((ln.strip("= ") for ln in reversed(text.splitlines())
+                             if re.search(r"\d+ (passed|failed|error|skipped)", ln)), ""))
+    return res
+
+
+def run_mode(mode: str, tests: str, timeout_s: float, extra_env: dict | None = None, jobs: int = 1,
+             log_dir: Path | None = None) -> dict:
+    """``pytest tests`` in ``mode``'s environment as ``jobs`` processes side by side (each runs
+    every jobs-th test, e2e/pytest_shard.py), combined into one result."""
+    shown = " ".join([*(f"{k}={v}" for k, v in MODES[mode].items()), "GLM5_REQUIRE_PEERS=1",
+                      "python -m pytest", tests, "-v", "-rfEs", "-p no:cacheprovider"])
+    if jobs > 1:
+        shown += f"  (as {jobs} shards: GLM5_TEST_SHARD=i/{jobs} -p pytest_shard)"
+    log(f"mode {mode}: {shown}")
+    deadline = time.monotonic() + timeout_s
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        shards = list(ex.map(lambda i: _run_shard(mode, tests, i, jobs, deadline, log_dir, extra_env), range(jobs)))
+    res = {"counts": {k: sum(s["counts"][k] for s in shards) for k in COUNT_KEYS},
+           "failed": [n for s in shards for n in s["failed"]],
+           "errors": [n for s in shards for n in s["errors"]],
+           "skip_reasons": {},
+           "failure_details": {k: v for s in shards for k, v in s["failure_details"].items()}}
+    for s in shards:
+        for reason, n in s["skip_reasons"].items():
+            res["skip_reasons"][reason] = res["skip_reasons"].get(reason, 0) + n
+    timed_out = any(s["timed_out"] for s in shards)
+    # a shard left with no test exits 5 ("no tests"): fine when the others ran some
+    rcs = [0 if (s["returncode"] == 5 and jobs > 1 and not sum(s["counts"].values())
+                 and sum(res["counts"].values())) else s["returncode"] for s in shards]
+    res.update({"env": {**MODES[mode], "GLM5_REQUIRE_PEERS": "1"}, "pytest_command": shown, "jobs": jobs,
+                "returncode": None if timed_out else max(rcs), "timed_out": timed_out,
+                "seconds": max(s["seconds"] for s in shards),
+                "summary": " | ".join(s["summary"] for s in shards)})
+    cut = [s["cut_off_in"] for s in shards if s.get("cut_off_in")]
+    if cut:
+        res["cut_off_in"] = cut
+    if jobs > 1:
+        res["shards"] = [{"counts": s["counts"], "seconds": s["seconds"], "returncode": s["returncode"],
+                          "timed_out": s["timed_out"]} for s in shards]
     res["ok"] = mode_ok(res)
     return res
 
@@ -399,6 +448,13 @@ def report(doc: dict) -> None:
             f"({m['seconds']} s)")
         for nid in m["failed"] + m["errors"]:
             log(f"  {mode}: {nid}")
+            detail = m.get("failure_details", {}).get(nid)
+            if detail:
+                tail = [ln for ln in detail.splitlines() if ln.strip()][-4:]
+                for ln in tail:
+                    log(f"      {ln[:200]}")
+        for nid in m.get("cut_off_in", []):
+            log(f"  {mode}: stopped while running {nid}")
     for problem in doc.get("problems", []):
         log(f"FAILED: {problem}")
 
@@ -412,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=570.0,
                     help="wall-clock budget of the whole call; a mode still running then is stopped and "
                          "counts as failed (default 570)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="pytest processes per mode, side by side (default: 1 per 4 CPU cores, at most 4); "
+                         "with more than one mode, the modes also run side by side")
+    ap.add_argument("--logs", default=None, help="folder for each pytest process's full output (default: none kept)")
     ap.add_argument("--commit", default=None, help="the commit, where the checkout has no .git")
     ap.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
     ap.add_argument("--name", default=NAME, help=f"results file name without .json (default {NAME})")
@@ -464,9 +524,23 @@ def main(argv: list[str] | None = None) -> int:
         # the GPU tests would all skip: that is not evidence
         doc["problems"] = ["no CUDA GPU visible to torch: the @gpu tests cannot run here"]
         log(doc["problems"][0])
-    for mode in modes:
-        # each mode may use what is left: one complete mode beats two cut-off ones
-        doc["modes"][mode] = run_mode(mode, a.tests, max(t_end - time.monotonic(), 1.0))
+    jobs = a.jobs or max(1, min(4, (os.cpu_count() or 1) // 4))
+    if jobs < 1:
+        ap.error("--jobs must be at least 1")
+    log_dir = Path(a.logs) if a.logs else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    if jobs == 1:
+        for mode in modes:
+            # one after the other, each may use what is left: one complete mode beats two cut-off ones
+            doc["modes"][mode] = run_mode(mode, a.tests, max(t_end - time.monotonic(), 1.0), log_dir=log_dir)
+            path = write(summarize(doc), out_dir, a.name)
+            log(f"wrote {path}")
+    else:
+        with ThreadPoolExecutor(max_workers=len(modes)) as ex:
+            done = dict(zip(modes, ex.map(lambda m: run_mode(m, a.tests, max(t_end - time.monotonic(), 1.0),
+                                                             jobs=jobs, log_dir=log_dir), modes)))
+        doc["modes"] = {m: done[m] for m in modes}
         path = write(summarize(doc), out_dir, a.name)
         log(f"wrote {path}")
     report(doc)

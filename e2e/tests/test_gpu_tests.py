@@ -218,3 +218,35 @@ def test_without_a_gpu_the_run_is_not_evidence(tmp_path):
     doc = json.loads((tmp_path / "o" / f"{G.NAME}.json").read_text())
     assert r.returncode == 1 and not doc["ok"] and doc["modes"]["mma-v2"]["ok"]
     assert doc["problems"] == ["no CUDA GPU visible to torch: the @gpu tests cannot run here"]
+
+
+def test_shards_run_side_by_side_and_add_up_to_the_whole_suite(tmp_path):
+    """--jobs 2 with both modes: four processes, each test run once per mode, logs kept, and a
+    failure's text (assertion + traceback) recorded in the file."""
+    suite = _project(tmp_path)
+    (suite / "test_more.py").write_text("import pytest\n\n@pytest.mark.parametrize('i', range(5))\n"
+                                        "def test_p(i):\n    assert i != 3, 'planted failure'\n")
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    r = _run(tmp_path, "--modes", "plain,mma-v2", "--jobs", "2", "--tests", str(suite), "--out", str(out),
+             "--logs", str(logs), "--allow-no-gpu", env_extra={"EXPECT_MMA_V3_OFF": "1"})
+    assert r.returncode == 1, r.stdout[-3000:]
+    doc = json.loads((out / f"{G.NAME}.json").read_text())
+    mma, plain = doc["modes"]["mma-v2"], doc["modes"]["plain"]
+    # mma-v2: 2 + 4 pass, 1 skip, the planted failure; plain also fails the env test
+    assert mma["counts"]["passed"] == 6 and mma["counts"]["skipped"] == 1 and mma["counts"]["failed"] == 1
+    assert plain["counts"]["passed"] == 5 and plain["counts"]["failed"] == 2
+    assert [s["counts"]["passed"] + s["counts"]["failed"] + s["counts"]["skipped"] for s in mma["shards"]] == [4, 4]
+    (nid,) = mma["failed"]
+    assert nid.endswith("test_p[3]") and "planted failure" in mma["failure_details"][nid]
+    assert "planted failure" in r.stdout
+    assert sorted(p.name for p in logs.iterdir()) == ["mma-v2.0.log", "mma-v2.1.log", "plain.0.log", "plain.1.log"]
+
+
+def test_a_shard_with_no_test_is_not_a_failure(tmp_path):
+    d = tmp_path / "one"
+    d.mkdir()
+    (d / "test_one.py").write_text("def test_only():\n    pass\n")
+    r = _run(tmp_path, "--modes", "plain", "--jobs", "3", "--tests", str(d), "--out", str(tmp_path / "o"),
+             "--allow-no-gpu")
+    doc = json.loads((tmp_path / "o" / f"{G.NAME}.json").read_text())
+    assert r.returncode == 0 and doc["ok"] and doc["modes"]["plain"]["counts"]["passed"] == 1, r.stdout[-2000:]

@@ -545,7 +545,9 @@ def test_gpu_paged_logits_glm5_shapes(ctx, next_n):
     w = torch.randn(B * next_n, H, device="cuda", generator=g) * 0.05
     nblk = (max_model_len + page - 1) // page
     bt = torch.stack([torch.randperm(nb, device="cuda", generator=g)[:nblk] for _ in range(B)]).int()
-    cl = torch.tensor([ctx, max(ctx // 2, next_n), max(ctx - 1, next_n)], dtype=torch.int32, device="cuda")
+    # a sequence holds its own next_n new tokens, so context >= next_n (vLLM's seq_lens)
+    cl = torch.tensor([max(ctx, next_n), max(ctx // 2, next_n), max(ctx - 1, next_n)], dtype=torch.int32,
+                      device="cuda")
     out = torch.full((B * next_n, max_model_len), 3.0e38, device="cuda")
     I.fp8_paged_mqa_logits(q, cache, w, cl, bt, max_model_len, clean_logits=True, out=out)
     lens_rows = I._row_context(cl, B, next_n)
