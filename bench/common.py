@@ -243,8 +243,9 @@ def time_graph(fns, rep_ms: int = 60, warmup_ms: int = 20) -> float:
 
 
 def time_events(fns, reps: int = 5, rounds: int = 5) -> float:
-    """Median microseconds per eager call, CUDA events around ``reps`` passes over ``fns`` (for
-    calls long enough that host overhead hides behind the GPU: prefill-sized work)."""
+    """Median microseconds of one pass over ``fns`` (all of them, in order: the steps of one
+    operation), CUDA events around ``reps`` passes, eager (for calls long enough that host overhead
+    hides behind the GPU: prefill-sized work)."""
     import torch
 
     for f in fns:
@@ -259,7 +260,7 @@ def time_events(fns, reps: int = 5, rounds: int = 5) -> float:
                 f()
         b.record()
         b.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / (reps * len(fns)))
+        res.append(a.elapsed_time(b) * 1e3 / reps)  # per pass, not per step
     return median(res)
 
 

@@ -354,3 +354,35 @@ def test_naive_path_matches_reference_on_cpu():
     o, _ = B.naive_fn(q, cache, idx, "fp8_ds_mla", None)()
     ro, _ = sparse_mla_decode_reference(q, cache, idx, B.SOFTMAX_SCALE, "fp8_ds_mla")
     assert B.rel_err(o, ro) < 2e-2
+
+
+def test_time_events_is_the_time_of_one_pass_over_all_steps(monkeypatch):
+    """A two-step operation (e.g. gather + attention) costs the sum of its steps: the prefill
+    bench once divided by the number of steps too and showed half the time."""
+    import torch
+
+    from bench import common
+
+    clock = {"us": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self):
+            self.t = clock["us"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):  # ms, like torch.cuda.Event
+            return (other.t - self.t) / 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def step(us):
+        return lambda: clock.__setitem__("us", clock["us"] + us)
+
+    assert common.time_events([step(10.0), step(30.0)]) == pytest.approx(40.0)
+    assert common.time_events([step(25.0)]) == pytest.approx(25.0)
