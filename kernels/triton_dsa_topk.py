@@ -415,8 +415,9 @@ SEG_MIN = 8192
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
-                bits: int = RADIX_BITS) -> dict:
-    """Constexprs and launch options for a top-``k`` over ``rows`` rows of at most ``max_seq_len``.
+                bits: int = RADIX_BITS, arch_major: int = 0) -> dict:
+    """Constexprs and launch options for a top-``k`` over ``rows`` rows of at most ``max_seq_len``
+    on a GPU of compute-capability major ``arch_major`` (0: unknown / interpreter).
 
     Picked from host-known sizes only (graph-safe). ``S`` (pivot sample) grows with the row so that
     the expected window, ~ 2 * ZSIGMA * sqrt(k * L / S), stays well below ``CAP``. ``SPLIT``
@@ -446,9 +447,12 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     # takes 16 warps: at 8 it spills 64 B of stack on sm_120 with Triton 3.8 (vLLM 0.33.0's pin).
     if bits not in (4, 8):
         raise ValueError(f"radix digit width must be 4 or 8 bits, got {bits}")
-    # The merge of split rows (SPLIT > 1) keeps 8-bit digits: with 4 it needs a 24-40 B stack frame
-    # at 16 warps on sm_120 with Triton 3.6 (tools/sm120_check.py); with 8 it needs none.
-    merge_bits = bits if split == 1 else 8
+    # The merge of split rows (SPLIT > 1) on SM12x keeps 8-bit digits: with 4 it needs a 24-40 B
+    # stack frame at 16 warps on sm_120 with Triton 3.6 (tools/sm120_check.py); with 8 it needs
+    # none. Elsewhere it takes ``bits``: on the H200 8-bit digits there cost 4-9 us per call at
+    # 32k/128k (top-k 31.0 / 35.6 / 47.2 us at 32k T=1/16/64 against 27.1 / 28.7 / 39.3 us with
+    # 4; bench/results/indexer_h200_merge_bits.json).
+    merge_bits = 8 if (split > 1 and arch_major == 12) else bits
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
@@ -522,9 +526,12 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     rows = out.shape[0]
     if rows == 0:
         return out
-    sms = 8 if (logits.device.type != "cuda" or _interpret()) else _num_sms(logits.device.index or 0)
+    on_gpu = logits.device.type == "cuda" and not _interpret()
+    sms = _num_sms(logits.device.index or 0) if on_gpu else 8
+    major = _arch_major(logits.device.index or 0) if on_gpu else 0
     seg_min = overrides.pop("SEG_MIN", SEG_MIN)
-    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS))
+    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS),
+                      arch_major=major)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
@@ -558,6 +565,11 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def topk_rows(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None,
@@ -696,15 +708,17 @@ SPEC_ROWS = tuple(1 << i for i in range(17))
 SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
 
 
-def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, sms=SPEC_SMS) -> list[tuple]:
+def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, sms=SPEC_SMS,
+                      arch_major: int = 12) -> list[tuple]:
     """Every distinct (kernel, constexprs without MODE, num_warps) the dispatch launches over the
-    given inputs (any row mode: MODE only selects the row-range loads)."""
+    given inputs on a GPU of that compute-capability major (default SM12x, the compile specs'
+    target; any row mode: MODE only selects the row-range loads)."""
     seen = {}
     for k in ks:
         for L in max_seq_lens:
             for r in rows:
                 for n in sms:
-                    cfg = topk_config(k, L, r, n)
+                    cfg = topk_config(k, L, r, n, arch_major=arch_major)
                     nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
                     for kern, consts, w in _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw):
                         consts = {a: v for a, v in consts.items() if a != "MODE"}

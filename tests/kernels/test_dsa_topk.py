@@ -276,6 +276,21 @@ def test_topk_config_rejects_other_digit_widths():
         T.topk_config(2048, 4096, bits=5)
 
 
+def test_merge_digit_width_per_architecture():
+    """Split rows: the merge takes 8-bit digits on SM12x only (4 spills there), the select's width
+    elsewhere; unsplit rows always take the select's width."""
+    split = T.topk_config(2048, 32768, 1, 132, arch_major=9)
+    assert split["SPLIT"] > 1 and split["MERGE_BITS"] == T.RADIX_BITS == 4
+    assert T.topk_config(2048, 32768, 1, 188, arch_major=12)["MERGE_BITS"] == 8
+    assert T.topk_config(2048, 32768, 1, 132, arch_major=10)["MERGE_BITS"] == 4
+    assert T.topk_config(2048, 32768, 1, 132, bits=8, arch_major=9)["MERGE_BITS"] == 8
+    whole = T.topk_config(2048, 32768, 4096, 188, arch_major=12)
+    assert whole["SPLIT"] == 1 and whole["MERGE_BITS"] == 4
+    # the SM120 specs hold the 8-bit merges of split rows, and no 4-bit merge of a split row
+    merges = [c for kern, c, _ in T.dispatch_launches() if kern is T._topk_merge_kernel]
+    assert {c["BITS"] for c in merges if c["SPLIT"] > 1} == {8}
+
+
 def test_large_k_counts_past_16_bits():
     """k > 8192 gives CAP 32768: the resolve's tie/above counts no longer fit the packed 16-bit scan
     (the unpacked scans run); exact, with ties at the k-th value."""
