@@ -344,3 +344,68 @@ def copy_bandwidth(device=None) -> float:
     del x, y
     torch.cuda.empty_cache()
     return statistics.median(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure gather of selected KV rows: the memory-side limit of sparse attention's access pattern
+# ---------------------------------------------------------------------------------------------
+
+_GATHER = None
+
+
+def _gather_kernel():
+    global _GATHER
+    if _GATHER is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def gather_rows(pool, idx, out, topk, num_slots, stride_it, ROW_WORDS: tl.constexpr, W: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+            """Program (t, s): read rows idx[t, s-th share] of the pool (ROW_WORDS int32 each; indices
+            < 0 or >= num_slots read nothing, as in the attention kernels) and store their
+            column-wise checksum (so no load can be dropped)."""
+            t = tl.program_id(0)
+            s = tl.program_id(1)
+            per = tl.cdiv(topk, SPLITS)
+            lo = s * per
+            hi = tl.minimum(lo + per, topk)
+            cols = tl.arange(0, W)
+            acc = tl.zeros([W], dtype=tl.int32)
+            for n in range(lo, hi, BLOCK_N):
+                rn = n + tl.arange(0, BLOCK_N)
+                m = rn < hi
+                r = tl.load(idx + t.to(tl.int64) * stride_it + rn, mask=m, other=-1)
+                ok = m & (r >= 0) & (r < num_slots)
+                r = tl.where(ok, r, 0).to(tl.int64)
+                x = tl.load(pool + r[:, None] * ROW_WORDS + cols[None, :],
+                            mask=ok[:, None] & (cols[None, :] < ROW_WORDS), other=0)
+                acc += tl.sum(x, 0)
+            tl.store(out + (t * SPLITS + s) * W + cols, acc)
+
+        _GATHER = gather_rows
+    return _GATHER
+
+
+def gather_fn(pool_words, idx, splits: int, block_n: int, warps: int, out=None):
+    """One launch (returned as a closure) reading every row ``idx`` ([T, topk] int32) selects from
+    ``pool_words`` ([slots, row_words] int32), each row's top-k range split over ``splits``
+    programs. ``f.out`` holds the [T, splits, W] checksums (W = row_words rounded up to a power of
+    two), for tests."""
+    import torch
+    import triton
+
+    T, topk = idx.shape
+    row_words = pool_words.shape[1]
+    W = triton.next_power_of_2(row_words)
+    if out is None:
+        out = torch.empty(T * splits * W, dtype=torch.int32, device=idx.device)
+    elif out.numel() < T * splits * W:
+        raise ValueError(f"gather output holds {out.numel()} words, needs {T * splits * W}")
+    k = _gather_kernel()
+
+    def f():
+        k[(T, splits)](pool_words, idx, out, topk, pool_words.shape[0], idx.stride(0), ROW_WORDS=row_words, W=W,
+                       BLOCK_N=block_n, SPLITS=splits, num_warps=warps)
+    f.out, f.W = out, W
+    return f

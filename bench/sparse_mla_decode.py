@@ -174,61 +174,17 @@ def make_index_sets(T: int, n_sets: int, device, seed: int):
 # Pure gather of the same rows (the memory-side roofline of this access pattern)
 # ------------------------------------------------------------------------------------------
 
-_GATHER = None
-
-
-def _gather_kernel():
-    global _GATHER
-    if _GATHER is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def gather_rows(pool, idx, out, topk, stride_it, ROW_WORDS: tl.constexpr, W: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-            """Program (t, s): read rows idx[t, s-th share] of the pool (ROW_WORDS int32 each) and
-            store their column-wise checksum (so no load can be dropped)."""
-            t = tl.program_id(0)
-            s = tl.program_id(1)
-            per = tl.cdiv(topk, SPLITS)
-            lo = s * per
-            hi = tl.minimum(lo + per, topk)
-            cols = tl.arange(0, W)
-            acc = tl.zeros([W], dtype=tl.int32)
-            for n in range(lo, hi, BLOCK_N):
-                rn = n + tl.arange(0, BLOCK_N)
-                m = rn < hi
-                r = tl.load(idx + t.to(tl.int64) * stride_it + rn, mask=m, other=-1)
-                ok = m & (r >= 0)
-                x = tl.load(pool + r.to(tl.int64)[:, None] * ROW_WORDS + cols[None, :],
-                            mask=ok[:, None] & (cols[None, :] < ROW_WORDS), other=0)
-                acc += tl.sum(x, 0)
-            tl.store(out + (t * SPLITS + s) * W + cols, acc)
-
-        _GATHER = gather_rows
-    return _GATHER
-
-
 GATHER_CONFIGS = [(16, 4, 8), (32, 4, 8), (32, 8, 4), (64, 8, 4), (16, 8, 16)]  # BLOCK_N, warps, waves
 
 
 def gather_fn(pool_words, idx, num_sms: int, block_n: int, warps: int, waves: int):
-    """One launch reading every row ``idx`` selects from ``pool_words`` ([slots, row_words] int32)."""
-    import torch
+    """One launch reading every row ``idx`` selects from ``pool_words`` ([slots, row_words] int32),
+    split to fill ``waves`` waves of ``num_sms`` programs (bench/common.py's gather kernel)."""
     import triton
 
     T, topk = idx.shape
-    row_words = pool_words.shape[1]
-    W = triton.next_power_of_2(row_words)
     splits = max(1, min(256, triton.cdiv(waves * num_sms, T), triton.cdiv(topk, block_n)))
-    out = torch.empty(T * splits * W, dtype=torch.int32, device=idx.device)
-    k = _gather_kernel()
-
-    def f():
-        k[(T, splits)](pool_words, idx, out, topk, idx.stride(0), ROW_WORDS=row_words, W=W, BLOCK_N=block_n,
-                       SPLITS=splits, num_warps=warps)
-    f.out, f.W = out, W  # the checksums (tests read them)
-    return f
+    return common.gather_fn(pool_words, idx, splits, block_n, warps)
 
 
 # ------------------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from bench import common  # noqa: E402
 
@@ -103,37 +102,10 @@ def make_indices(T: int, ctx: int, nb: int, gen: torch.Generator, device) -> tor
 # Pure gather of the same rows (memory-side limit): rows read as int32 words, per-program checksum
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
-def _gather_kernel(pool, idx, out, topk, num_slots, row_words, stride_it,
-                   BLOCK_N: tl.constexpr, W: tl.constexpr, SPLITS: tl.constexpr):
-    t = tl.program_id(0)
-    s = tl.program_id(1)
-    per = tl.cdiv(topk, SPLITS)
-    lo = s * per
-    hi = tl.minimum(lo + per, topk)
-    cols = tl.arange(0, W)
-    acc = tl.zeros([W], dtype=tl.int32)
-    for n in range(lo, hi, BLOCK_N):
-        rn = n + tl.arange(0, BLOCK_N)
-        m = rn < hi
-        r = tl.load(idx + t.to(tl.int64) * stride_it + rn, mask=m, other=-1)
-        ok = m & (r >= 0) & (r < num_slots)
-        r = tl.where(ok, r, 0).to(tl.int64)
-        x = tl.load(pool + r[:, None] * row_words + cols[None, :], mask=ok[:, None] & (cols[None, :] < row_words),
-                    other=0)
-        acc += tl.sum(x, 0)
-    tl.store(out + (t * SPLITS + s) * W + cols, acc)
-
-
 def gather_fn(pool, idx, out, cfg):
-    words = pool.view(torch.int32).view(-1, 164)
-    T = idx.shape[0]
+    """The pure gather of bench/common.py over the fp8_ds_mla pool's 164-word rows."""
     bn, nw, splits = cfg
-
-    def f():
-        _gather_kernel[(T, splits)](words, idx, out, idx.shape[1], words.shape[0], 164, idx.stride(0),
-                                    BLOCK_N=bn, W=256, SPLITS=splits, num_warps=nw)
-    return f
+    return common.gather_fn(pool.view(torch.int32).view(-1, 164), idx, splits, bn, nw, out=out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ constexprs, attrs)`` with ``attrs = {(arg_index,): [["tt.divisibility", 16]]}``.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -56,16 +57,36 @@ def _cuobjdump() -> str:
     raise FileNotFoundError(f"cuobjdump not found in Triton's wheel ({cand})")
 
 
+def load_module(path: Path):
+    """Import a kernel file by path as a module of a package named after its folder, so that its
+    relative imports (``from . import mla_kv_format``) resolve as they do in kernels/ and inside
+    vLLM (vllm/v1/attention/ops/), whatever the current directory or sys.path."""
+    folder = path.resolve().parent
+    pkg = "_sm120_check_" + re.sub(r"\W", "_", str(folder))
+    if pkg not in sys.modules:
+        pspec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+        pspec.submodule_search_locations = [str(folder)]
+        sys.modules[pkg] = importlib.util.module_from_spec(pspec)
+    name = f"{pkg}.{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
 def load_specs(path: Path) -> list[dict] | None:
     """Import a kernel file by path and return its SM120_COMPILE_SPECS(), or None if absent."""
     text = path.read_text()
     if "SM120_COMPILE_SPECS" not in text:
         return None
-    name = f"_sm120_check_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_module(path)
     fn = getattr(mod, "SM120_COMPILE_SPECS", None)
     if fn is None:
         return None
