@@ -97,3 +97,17 @@ def test_a_changed_number_is_caught():
     assert _same("0.47", 0.4665) and not _same("0.48", 0.4665)
     assert _same("5,409", 5409.4) and not _same("5,409", 5411.0)
     assert _same("4.4e-03", 0.004377) and not _same("4.4e-03", 0.0050)
+
+
+def test_gpu_tests_line_matches_the_results_file():
+    """The README's "Last result" of the GPU tests is the file's: commit and per-mode counts."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    m = re.search(r"Last result \(`bench/results/gpu_tests_h200\.json`, commit (\w+)\): (\d+) passed, (\d+) failed, "
+                  r"(\d+) skipped", text)
+    assert m, "README has no 'Last result (`bench/results/gpu_tests_h200.json`, commit ...)' line"
+    doc = json.loads((RESULTS / "gpu_tests_h200.json").read_text())
+    assert doc["commit"].startswith(m.group(1))
+    for mode, res in doc["modes"].items():
+        c = res["counts"]
+        assert (c["passed"], c["failed"], c["skipped"]) == tuple(int(x) for x in m.groups()[1:]), mode
+    assert doc["ok"] == (m.group(3) == "0")
