@@ -756,7 +756,7 @@ def _finish(ctx, port: Port) -> int:
             f"`tools/apply.py --vllm {v} refresh --force` to write the ported series")
         return REFUSED
     log(f"refresh {v}:")
-    refresh(tree, ctx.project, False, log)
+    refresh(tree, ctx.project, False, log, force=True)  # patches/NEW holds no series (checked above)
     log(f"check {v}:")
     problems = check(ctx.project, tree.pin, fetch(tree.pin, ctx.cache, False, log), log)
     if problems:
