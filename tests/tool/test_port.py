@@ -7,6 +7,7 @@ commits and files and the patches written, not only messages.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -134,7 +135,7 @@ def _stop_at_conflict(tmp_path, model=CONFLICT):
 def test_a_conflict_stops_mid_merge_with_patch_file_and_hunk_named(tmp_path):
     p, t, r = _stop_at_conflict(tmp_path)
     assert f"stopped at a conflict in {NAMES[0]}" in r.out
-    assert "vllm/model.py: hunk #1 (@@ -17,7 +17,7 @@)" in r.out and "conflict markers at lines" in r.out
+    assert "vllm/model.py: not applying as is: hunk #1 (@@ -17,7 +17,7 @@)" in r.out and "conflict markers at lines" in r.out
     assert (t / ".git/CHERRY_PICK_HEAD").exists()
     text = (t / "vllm/model.py").read_text()
     assert "<<<<<<< " in text and "value_20 = 20  # upstream" in text and "value_20 = 'twenty'" in text
@@ -148,6 +149,15 @@ def test_a_conflict_stops_mid_merge_with_patch_file_and_hunk_named(tmp_path):
     assert "PORT IN PROGRESS: port 9.9.0 -> 9.9.1, stopped at a conflict in " + NAMES[0] in p.run("--vllm", "9.9.1", "status", check_rc=0).out
     # a second port into the tree is refused
     assert "in progress" in p.run("port", "--from", "9.9.0", "--to", "9.9.1", check_rc=5).out
+    # the tree's lock is respected: while another command holds it, --continue/--abort exit 5 at once
+    fd = os.open(p.root / "work/9.9.1/.tree.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for mode in ("--continue", "--abort"):
+            assert "another tools/apply.py command" in p.run("port", mode, check_rc=5).out
+    finally:
+        os.close(fd)
+    assert snapshot(t) == before
     # --continue before resolving: refused, nothing touched
     rr = p.run("port", "--continue", check_rc=5)
     assert "still has unresolved files" in rr.out and "vllm/model.py" in rr.out
@@ -220,7 +230,7 @@ def test_dry_run_classifies_and_touches_nothing(tmp_path):
     r = p.run("--dry-run", "port", "--from", "9.9.0", "--to", "9.9.1", "--wheel", str(p.new_wheel), "--triton", "==3.6.0",
               env={"TMPDIR": str(tmp)}, check_rc=0)
     assert "[1/3] 0001-Model-Twenty-as-a-word.patch: conflict (a real port stops here" in r.out
-    assert "vllm/model.py: hunk #1 (@@ -17,7 +17,7 @@)" in r.out
+    assert "vllm/model.py: not applying as is: hunk #1 (@@ -17,7 +17,7 @@)" in r.out
     assert "[2/3] 0002-Model-Five-as-a-word.patch: clean" in r.out and "[3/3] 0003-Attention-Register-Triton.patch: clean" in r.out
     assert "torch 2.13.0, triton ==3.6.0" in r.out
     assert (p.root / "pins.lock").read_bytes() == lock
@@ -301,6 +311,7 @@ def _reference(tmp_path, model) -> dict[str, bytes]:
     ("after-checkout", "sigkill"),  # inside the switch: the journal is left, recovery undoes the switch
     ("port-switched", "sigkill"),  # the switch is done, the port's record not yet updated
     ("port-after-patch-1", "sigterm"),  # SIGTERM: handled like Ctrl-C (exit 130)
+    ("after-patch-2", "sigkill"),  # while OLD's series is applied to the scratch OLD tree (before any patch is ported)
 ])
 def test_a_killed_port_is_completed_by_continue(tmp_path, point, how):
     want = _reference(tmp_path, CONTEXT)

@@ -304,8 +304,8 @@ def describe_conflict(g: Git, head: str, patch: PatchFile, o: Outcome, worktree:
                     start = None
             if regions:
                 where = f"; conflict markers at lines {', '.join(regions)}"
-        h = ", ".join(hunks.get(f, [])) or "(every hunk applies alone; they conflict together)"
-        lines.append(f"{f}: {h}{where}")
+        h = ", ".join(hunks.get(f, [])) or "(each hunk applies alone; together they conflict)"
+        lines.append(f"{f}: not applying as is: {h}{where}")
     return lines
 
 
