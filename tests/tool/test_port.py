@@ -353,3 +353,20 @@ def test_help_lists_port(tmp_path):
     for opt in ("--from OLD", "--to NEW", "--continue", "--skip", "--abort", "--dry-run", "--wheel FILE", "--triton SPEC"):
         assert opt in h
     assert "--vllm VERSION" not in h
+
+
+def test_a_patch_vllm_already_has_is_dropped_as_upstream(tmp_path):
+    p = make_project(tmp_path)
+    p.run("apply", check_rc=0)
+    t = p.tree("9.9.0")
+    commit_edit(t, {"vllm/model.py": model_with({20: "value_20 = 'twenty'\n"})}, P1)
+    commit_edit(t, {"vllm/v1/attention/backends/registry.py": REGISTRY + "    TRITON = 'triton'\n"}, P3, concern="backend")
+    p.run("refresh", check_rc=0)
+    files = dict(BASE_FILES, **{"vllm/v1/attention/backends/registry.py": REGISTRY + "    TRITON = 'triton'\n"})
+    p.write_lock({"9.9.0": p.cache / "vllm-9.9.0-py3-none-any.whl", "9.9.1": make_wheel(p.cache, "9.9.1", files)})
+    r = p.run("port", "--from", "9.9.0", "--to", "9.9.1", "--triton", "==3.6.0", check_rc=2)  # pinned: no --triton
+    r = p.run("port", "--from", "9.9.0", "--to", "9.9.1", check_rc=0)
+    assert "0001-Model-Twenty-as-a-word.patch: clean" in r.out and "0002-Attention-Register-Triton.patch: upstream" in r.out
+    assert _subjects(p.tree("9.9.1")) == [P1]
+    assert [x.name for x in p.patches("9.9.1").glob("*.patch")] == [NAMES[0]]
+    assert "check 9.9.1: OK" in r.out

@@ -372,7 +372,10 @@ class Port:
             head = o.commit
             pending.append({"name": src["name"], "status": o.status, "head": head, "detail": o.detail})
             _fault(f"port-after-patch-{k + 1}")
-        if pending:
+        if pending and head == self.last_head():  # nothing to check out (patches vLLM already has)
+            self.done.extend(pending)
+            self.save(stage="running", pending=[])
+        elif pending:
             self.save(stage="switching", pending=pending)
             self.tree._switch(self.last_head(), head)
             _fault("port-switched")
