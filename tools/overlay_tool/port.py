@@ -230,9 +230,7 @@ def _hunk_patches(data: bytes) -> dict[str, list[tuple[str, bytes]]]:
                 cur = [l]
                 hunks.append(cur)
             elif cur is not None:
-                if l == "-- " or (l.startswith("-- ") is False and l == "--"):
-                    break
-                cur.append(l)
+                cur.append(l)  # (refresh writes patches without a signature: nothing follows the last hunk)
         for h in hunks:
             while h and h[-1] == "":
                 h.pop()
