@@ -370,3 +370,12 @@ def test_a_patch_vllm_already_has_is_dropped_as_upstream(tmp_path):
     assert _subjects(p.tree("9.9.1")) == [P1]
     assert [x.name for x in p.patches("9.9.1").glob("*.patch")] == [NAMES[0]]
     assert "check 9.9.1: OK" in r.out
+
+
+def test_recover_forget_drops_the_ports_record_and_leaves_the_tree(tmp_path):
+    p, t, _ = _stop_at_conflict(tmp_path)
+    before = snapshot(t)
+    r = p.run("--vllm", "9.9.1", "recover", "--forget", check_rc=0)
+    assert "dropped the record of a port in progress" in r.out
+    assert not (t / STATE).exists() and snapshot(t) == before  # still mid-merge, as the user left it
+    assert "no port in progress" in p.run("port", "--continue", "--to", "9.9.1", check_rc=5).out
