@@ -379,3 +379,16 @@ def test_recover_forget_drops_the_ports_record_and_leaves_the_tree(tmp_path):
     assert "dropped the record of a port in progress" in r.out
     assert not (t / STATE).exists() and snapshot(t) == before  # still mid-merge, as the user left it
     assert "no port in progress" in p.run("port", "--continue", "--to", "9.9.1", check_rc=5).out
+
+
+def test_continue_keeps_a_resolution_committed_with_another_message(tmp_path):
+    p, t, _ = _stop_at_conflict(tmp_path)
+    (t / "vllm/model.py").write_text(model_with({20: "value_20 = 'twenty'  # upstream\n"}))
+    git(t, "add", "vllm/model.py")
+    msg = "[Model] Twenty as a word, on 9.9.1\n\nWhy this patch exists: a test\n\nConcern: routing\nForwarded: no\nLast-Update: 2026-12-03\n"
+    git(t, "commit", "-q", "-m", msg)
+    r = p.run("port", "--continue", check_rc=0)
+    assert "taken as you committed it" in r.out
+    assert _subjects(t) == ["[Model] Twenty as a word, on 9.9.1", P2, P3]
+    first = sorted(p.patches("9.9.1").glob("*.patch"))[0]
+    assert first.name == "0001-Model-Twenty-as-a-word-on-9.9.1.patch" and "Last-Update: 2026-12-03" in first.read_text()
