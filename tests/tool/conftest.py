@@ -42,14 +42,17 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def make_wheel(dest_dir: Path, version: str, files: dict[str, str] | None = None, compiled: bytes | None = None) -> Path:
-    """A valid vllm-<version>-py3-none-any.whl with RECORD hashes and a fake compiled file."""
+def make_wheel(dest_dir: Path, version: str, files: dict[str, str] | None = None, compiled: bytes | None = None,
+               requires: list[str] | None = None) -> Path:
+    """A valid vllm-<version>-py3-none-any.whl with RECORD hashes and a fake compiled file
+    (requires: Requires-Dist lines of its METADATA)."""
     files = dict(BASE_FILES if files is None else files)
     files = {k: v.replace("{version}", version) for k, v in files.items()}
     content = {k: v.encode() for k, v in files.items()}
     content[COMPILED] = compiled if compiled is not None else bytes(range(256)) * 64
     info = f"vllm-{version}.dist-info"
-    content[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n\nsynthetic\n".encode()
+    reqs = "".join(f"Requires-Dist: {r}\n" for r in requires or [])
+    content[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n{reqs}\nsynthetic\n".encode()
     content[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     record = "".join(f"{k},sha256={_b64(v)},{len(v)}\n" for k, v in content.items()) + f"{info}/RECORD,,\n"
     path = dest_dir / f"vllm-{version}-py3-none-any.whl"

@@ -32,8 +32,10 @@ subcommands:
   recover    undo an interrupted apply now (what apply/build do first); --forget drops its record
   revert     put stock vLLM back into the venv;   uninstall: remove the patched vLLM from the venv
   export-pr  one format-patch series per concern for upstream, DCO signed-off, with PR.md
+  port       carry patches/OLD/series onto a new vLLM release (three-way merges; stops at a conflict for you;
+             --continue / --skip / --abort), pinning the release in pins.lock if needed; then refresh + check
 
-Commands that write to a tree (all, apply, build, refresh, recover) take the tree's lock; a second
+Commands that write to a tree (all, apply, build, refresh, recover, port) take the tree's lock; a second
 one fails at once with exit 5 (--wait: wait for the lock instead).
 """
 
@@ -52,20 +54,22 @@ VERB_HELP = {
     "revert": "put stock vLLM of the pin back into the environment",
     "uninstall": "remove the patched vLLM from the environment",
     "export-pr": "write one format-patch series + PR.md per concern for upstream, DCO signed-off",
+    "port": "carry patches/OLD/series onto vLLM NEW: commit each patch that applies (clean, at an offset, or by a "
+            "three-way merge with its OLD base), stop at a conflict for you to resolve, then refresh + check NEW",
 }
 VERBS = list(VERB_HELP)
 
 # common option -> the verbs it applies to (the top-level parser takes every one of them)
 _TREE = {"all", "apply", "build", "verify", "status", "refresh", "recover"}
 OPTION_VERBS = {
-    "--vllm": set(VERBS),
-    "--work": _TREE,
+    "--vllm": set(VERBS) - {"port"},
+    "--work": _TREE | {"port"},
     "--checkout": _TREE,
     "--venv": {"all", "install", "verify", "status", "revert", "uninstall"},
-    "--wheel-cache": {"all", "fetch", "apply", "build", "verify", "status", "check", "revert", "export-pr"},
+    "--wheel-cache": {"all", "fetch", "apply", "build", "verify", "status", "check", "revert", "export-pr", "port"},
     "--out": {"all", "build", "install", "verify", "status", "export-pr"},
-    "--dry-run": {"all", "fetch", "apply", "build", "install", "refresh", "revert", "uninstall", "export-pr"},
-    "--wait": {"all", "apply", "build", "refresh", "recover"},
+    "--dry-run": {"all", "fetch", "apply", "build", "install", "refresh", "revert", "uninstall", "export-pr", "port"},
+    "--wait": {"all", "apply", "build", "refresh", "recover", "port"},
     "--debug": set(VERBS),
 }
 WRITES_TREE = {"all", "apply", "build", "refresh", "recover"}
@@ -125,7 +129,38 @@ def parser() -> argparse.ArgumentParser:
     sp["export-pr"].add_argument("--concern", help="only this concern")
     sp["export-pr"].add_argument("--signoff", metavar="'NAME <EMAIL>'", help="DCO identity (default: git config user.name/user.email)")
     sp["export-pr"].add_argument("--include-not-needed", action="store_true", help="also export patches marked 'Forwarded: not-needed'")
+    pp = sp["port"]
+    pp.description = VERB_HELP["port"] + "\n\n" + PORT_HELP
+    pp.add_argument("--from", dest="port_from", metavar="OLD", help="the pin whose patches/OLD/series is carried over")
+    pp.add_argument("--to", dest="port_to", metavar="NEW", help="the release to port to (added to pins.lock if absent); "
+                    "with --continue/--skip/--abort: the port to go on with (default: the only one under work/)")
+    g = pp.add_mutually_exclusive_group()
+    g.add_argument("--continue", dest="port_continue", action="store_true",
+                   help="go on after you resolved the conflict (staged with git add, or committed)")
+    g.add_argument("--skip", dest="port_skip", action="store_true",
+                   help="drop the patch stopped at a conflict (your work tree is saved as refs/glm5-overlay/port-saved) and go on")
+    g.add_argument("--abort", dest="port_abort", action="store_true",
+                   help="end the port: the tree keeps v<NEW> + the patches ported so far; the stopped merge is undone "
+                        "(saved as refs/glm5-overlay/port-saved); patches/NEW is not written")
+    pp.add_argument("--wheel", metavar="FILE", help="NEW's release wheel from a file (copied into the cache) instead of pip download")
+    pp.add_argument("--torch", metavar="VERSION", help="the torch NEW pins (default: the wheel's Requires-Dist: torch==X)")
+    pp.add_argument("--triton", metavar="SPEC", help="that torch's triton requirement, e.g. '==3.6.0' (default: read with pip from torch's metadata)")
     return p
+
+
+PORT_HELP = """  tools/apply.py port --from 0.33.0 --to 0.34.0 [--dry-run]
+  tools/apply.py port --continue | --skip | --abort  [--to 0.34.0]
+
+Each patch of patches/OLD/series, in order, becomes one commit on NEW's tree (work/NEW/tree, made from
+NEW's wheel), message and author unchanged. Per patch: clean (applies as is), offset (applies at
+shifted lines), merged (needed a three-way merge with the OLD source it was written against: no
+conflict), conflict (the port stops: the tree is left mid-cherry-pick with conflict markers; the
+patch, files and hunks are named), upstream (NEW already has it: dropped), skipped (--skip).
+When every patch is ported: refresh (writes patches/NEW/ + series) and check for NEW.
+--dry-run: the same classification in a temporary tree; pins.lock, patches/ and work/ untouched
+(NEW's wheel is downloaded into the wheel cache). Refuses (exit 5) a NEW tree with commits or edits,
+and an existing patches/NEW series. A killed or interrupted port: `port --continue` resumes it.
+Exit 6: stopped at a conflict; 7: ported but check failed."""
 
 
 class Ctx:
@@ -374,6 +409,10 @@ def run(ns: argparse.Namespace) -> int:
     verb = ns.verb or "all"
     if verb == "check":
         return cmd_check(ctx)
+    if verb == "port":
+        from .port import cmd_port
+
+        return cmd_port(ctx)
     pin = ctx.pin
     if not ctx.dry_run:
         _clean_stale(ctx, pin)

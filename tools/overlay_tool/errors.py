@@ -8,7 +8,7 @@ USAGE = 2  # bad command line (argparse) or bad project input (series, verify.to
 PIN = 3  # unknown --vllm, malformed pins.lock, tree/checkout holds another version
 FETCH = 4  # download failed, sha256 mismatch
 REFUSED = 5  # dirty tree, branch exists, tree locked by another command, recovery refused, ...: nothing touched
-PATCH = 6  # a patch or the overlay does not apply: tree rolled back
+PATCH = 6  # a patch or the overlay does not apply: tree rolled back; port: stopped at a conflict (tree left mid-merge)
 CHECK = 7  # check/refresh: export differs from committed patches, bad patch header
 VERIFY = 8  # verification failed (tree, imports/registrations, kernel tests)
 EXTERNAL = 9  # pip / venv / wheel / build command failed
@@ -24,9 +24,10 @@ EXIT_CODES_HELP = """exit codes:
   4    fetch error: download failed or sha256 mismatch (cached file left untouched)
   5    refused, nothing changed: dirty tree, existing branch, another command holds the tree's lock
        (--wait waits), an interrupted run's recovery would discard changes made since, unreadable
-       journal, patches/ and the tree both edited, refresh would drop patches, or would replace a
-       user's torch/vLLM
+       journal, patches/ and the tree both edited, refresh would drop patches, would replace a
+       user's torch/vLLM, a port in progress, or port into a tree with commits/edits or onto a series
   6    patch error: a patch or overlay file does not apply; tree rolled back, patch/file/hunk named
+       (port: stopped at a conflict, the tree left mid-merge for you: port --continue / --skip / --abort)
   7    check failed: re-export differs from patches/<version>/, or a patch header is invalid
   8    verification failed (report written)
   9    an external step failed (pip, venv, wheel pack, build, git)

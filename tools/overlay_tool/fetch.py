@@ -42,6 +42,41 @@ def verify_wheel(pin: Pin, path: Path) -> None:
         )
 
 
+def pip_download_cmd(version: str, dest: Path) -> list[str]:
+    """The pip command that downloads vLLM <version>'s x86_64 release wheel into `dest`."""
+    return [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--platform", "manylinux_2_28_x86_64", "--progress-bar", "on", "--dest", str(dest),
+        f"vllm=={version}",
+    ] + shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+
+
+def download_unpinned(version: str, cache: Path, log=print) -> Path:
+    """Download vLLM <version>'s release wheel (not in pins.lock yet: no sha256 to check) into the
+    cache, for `port`, which then pins that file's sha256. A cached vllm-<version>-*.whl is reused."""
+    have = sorted(cache.glob(f"vllm-{version}-*.whl")) if cache.is_dir() else []
+    if len(have) == 1:
+        log(f"wheel: {have[0]} (cached, not pinned yet: its sha256 is what gets pinned)")
+        return have[0]
+    if len(have) > 1:
+        raise FetchError(f"{cache} holds several vllm-{version} wheels ({', '.join(h.name for h in have)}); "
+                         f"pass the right one with --wheel")
+    cache.mkdir(parents=True, exist_ok=True)
+    with owned_tempdir(".download-", cache) as tmp:
+        cmd = pip_download_cmd(version, tmp)
+        log(f"downloading vllm=={version} with pip ...")
+        r = run_child(cmd, env=dict(os.environ, PIP_NO_INPUT="1"))
+        if r.returncode != 0:
+            raise FetchError(f"pip download of vllm=={version} failed (exit {r.returncode}); command: {shlex.join(cmd)}")
+        got = sorted(p.name for p in tmp.iterdir())
+        if len(got) != 1 or not (got[0].startswith(f"vllm-{version}-") and got[0].endswith(".whl")):
+            raise FetchError(f"pip downloaded {got or 'nothing'}, expected one vllm-{version}-*.whl")
+        path = cache / got[0]
+        os.replace(tmp / got[0], path)
+        log(f"wheel: {path} (downloaded)")
+        return path
+
+
 def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
     """Return the pinned release wheel from the cache, downloading it first if absent."""
     path = cached_wheel(pin, cache)
@@ -54,11 +89,7 @@ def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with owned_tempdir(".download-", cache) as tmp:
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--platform", "manylinux_2_28_x86_64", "--progress-bar", "on", "--dest", str(tmp),
-            f"vllm=={pin.version}",
-        ] + shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+        cmd = pip_download_cmd(pin.version, tmp)
         log(f"downloading vllm=={pin.version} with pip ...")
         r = run_child(cmd, env=dict(os.environ, PIP_NO_INPUT="1"))  # its own process group: no terminal input
         if r.returncode != 0:

@@ -71,6 +71,11 @@ def refresh(tree: Tree, project: Project, dry_run: bool, log=print, force: bool 
     """
     v = tree.pin.version
     j = tree.read_journal()
+    if j is not None and j.get("kind") == "stopped-port":
+        raise RefusedError(
+            f"{tree.path} is in the middle of an interrupted command ({j.get('what', 'a port')}, started "
+            f"{j.get('started')}); refresh would export a half-ported tree. Nothing was written"
+        )
     if j is not None:
         raise RefusedError(
             f"{tree.path} is in the middle of an interrupted command ({j.get('kind', 'switch')} started {j.get('started')}); "

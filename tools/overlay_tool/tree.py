@@ -30,6 +30,7 @@ from .safety import child_kwargs, held_open, kill_group, owned_tempdir
 
 JOURNAL = "glm5-overlay-apply.json"  # what an unfinished command was changing (see Tree._switch)
 SYNC = "glm5-overlay-sync.json"  # patches/<version> and HEAD when the tree was last applied/refreshed
+PORT_STATE = "glm5-overlay-port.json"  # a `port` in progress into this tree (tools/overlay_tool/port.py)
 LOCK = "glm5-overlay.lock"  # --checkout trees: the lock lives in the git directory
 BACKUP_REF = "refs/glm5-overlay/before-rebuild"  # HEAD before `apply --rebuild` replaced the commits
 OVERLAY_TRAILER = "Glm5-Overlay"
@@ -636,7 +637,7 @@ class Tree:
         try:
             text = self.journal.read_text()
         except FileNotFoundError:
-            return None
+            return self._port_record()
         try:
             j = json.loads(text)
             if not isinstance(j, dict) or j.get("kind", "switch") not in ("switch", "stopped-port"):
@@ -652,6 +653,24 @@ class Tree:
                 f"(git status, git log in {self.path}), then drop the record: tools/apply.py recover --forget"
             ) from None
         return j
+
+    def _port_record(self) -> dict | None:
+        """A port in progress (its state file; no journal): reported as a stopped port, which writing
+        commands refuse and recovery leaves alone."""
+        p = self.g.git_dir / PORT_STATE
+        if not p.exists():
+            return None
+        try:
+            st = json.loads(p.read_text())
+            what = (f"port {st.get('from')} -> {st.get('to')}, "
+                    + ({"conflict": "stopped at a conflict", "picking": "killed while starting a merge"}.get(
+                        st.get("stage"), "interrupted") + ("" if st.get("current") is None or st.get("stage") not in ("conflict", "picking")
+                                                           else f" in {st['sources'][st['current']]['name']}"))
+                    + "; `tools/apply.py port --continue` / `--skip` / `--abort`")
+            started = st.get("started")
+        except (ValueError, OSError, KeyError, IndexError, TypeError, AttributeError):
+            what, started = "port (its record is unreadable)", None
+        return {"kind": "stopped-port", "what": what, "started": started, "port_state": str(p)}
 
     def recovery_problems(self, j: dict) -> list[str]:
         """Changes in the tree that the interrupted switch did not make (empty: recovery is safe)."""
@@ -774,7 +793,11 @@ class Tree:
 
     def forget_journal(self) -> str | None:
         """`recover --forget`: drop the record of an unfinished command, leaving the tree as it is."""
+        port = self.g.git_dir / PORT_STATE
         if not self.journal.exists():
+            if port.exists():  # a port in progress: forgetting it leaves the tree as it is (mid-merge, maybe)
+                port.unlink()
+                return "a port in progress (its record; the tree and refs/glm5-port/* are left as they are)"
             return None
         try:
             j = json.loads(self.journal.read_text())
