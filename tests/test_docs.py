@@ -26,7 +26,7 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(
     r"(?<![\w./$~-])((?:%s)/[\w./*-]*[\w*]|(?:%s)(?![\w.]))" % (
         "|".join(ROOTS), "|".join(re.escape(f) for f in TOP_FILES)))
-PLACEHOLDER = re.compile(r"<[^>]*>|\bX\.py\b|\bNNNN\b|\{")
+PLACEHOLDER = re.compile(r"<[^>]*>|\bX\.py\b|\bNNNN\b|\{|\b(OLD|NEW)\b")
 
 
 def _anchors(md: Path) -> set[str]:
