@@ -183,6 +183,12 @@ def test_deepgemm_indexer_kept_for_other_backends_when_available(
 
     simulated_cuda(9, 0)
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
+    # DeepGEMM's JIT finds nvcc (test_dsa_indexer_choice.py has the cases without it)
+    monkeypatch.setattr(
+        triton_mla_sparse,
+        "deep_gemm_jit_toolchain",
+        lambda: triton_mla_sparse.JitToolchain(True, "nvcc 12.9 at /fake/bin/nvcc"),
+    )
     from vllm.config import set_current_vllm_config
 
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla")
