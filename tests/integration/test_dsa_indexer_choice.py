@@ -48,8 +48,15 @@ def choice(vllm_module, monkeypatch):
     old_level = tms.logger.level
     tms.logger.setLevel(logging.DEBUG)
 
-    def decide(model_config, kv_cache_dtype, backend=None, toolchain=True):
-        found = tms.JitToolchain(True, "nvcc 12.9 at /fake/bin/nvcc")
+    def decide(model_config, kv_cache_dtype, backend=None, toolchain=True, nvcc=(12, 9)):
+        import vllm.platforms as platforms
+
+        # vllm.utils.deep_gemm bound the platform of its import (the CPU one here); in a
+        # serving process that is the CUDA platform the capability is simulated on
+        monkeypatch.setattr(deep_gemm, "current_platform", platforms._current_platform)
+        if mx is not None and hasattr(mx, "cache_clear"):
+            mx.cache_clear()
+        found = tms.JitToolchain(True, "nvcc %d.%d at /fake/bin/nvcc" % nvcc, nvcc)
         missing = tms.JitToolchain(False, "no nvcc at /fake/bin/nvcc")
         monkeypatch.setattr(tms, "deep_gemm_jit_toolchain", lambda: found if toolchain else missing)
         _print_info_once.cache_clear()
@@ -124,6 +131,32 @@ def test_sm12x_with_flashinfer_follows_the_toolchain(
     use_triton, reason, _ = choice(glm5_model_config, "fp8_ds_mla", toolchain=False)
     assert use_triton
     assert "cannot JIT-compile" in reason
+
+
+@pytest.mark.parametrize(
+    "capability,backend,nvcc,deepgemm",
+    [((12, 0), None, (12, 7), False), ((12, 0), None, (12, 8), True),
+     ((12, 1), None, (12, 8), False), ((12, 1), None, (12, 9), True),
+     ((10, 0), "FLASHMLA_SPARSE", (12, 4), False), ((9, 0), None, (12, 4), True)],
+)
+def test_nvcc_must_know_the_device(
+    simulated_cuda, monkeypatch, glm5_model_config, choice, capability, backend, nvcc, deepgemm
+):
+    """An nvcc that DeepGEMM accepts (0.26.0's takes 12.3+) but that predates the device
+    (sm_100/sm_120 from CUDA 12.8, sm_121 from 12.9) cannot build its kernels: Triton."""
+    _flashinfer_sm120(monkeypatch, available=True)
+    simulated_cuda(*capability)
+    use_triton, reason, _ = choice(
+        glm5_model_config, "fp8_ds_mla", backend=backend, toolchain=True, nvcc=nvcc
+    )
+    if _mx_scales():  # 0.33.0 on SM100: DeepGEMM whatever the nvcc
+        assert not use_triton
+        return
+    assert use_triton == (not deepgemm), reason
+    if not deepgemm:
+        sm = "SM%d%d" % capability
+        assert f"cannot JIT-compile its kernels for {sm}" in reason
+        assert "nvcc %d.%d at /fake/bin/nvcc" % nvcc in reason
 
 
 def test_sm100_with_toolchain_runs_deepgemm(simulated_cuda, glm5_model_config, choice):
@@ -259,7 +292,9 @@ def test_probe_cuda_home(probe, tmp_path):
     from vllm.v1.attention.backends.mla.triton_mla_sparse import JitToolchain
 
     nvcc = _fake_nvcc(tmp_path / "cuda" / "bin")
-    assert probe({"CUDA_HOME": str(tmp_path / "cuda")}) == JitToolchain(True, f"nvcc 12.9 at {nvcc}")
+    assert probe({"CUDA_HOME": str(tmp_path / "cuda")}) == JitToolchain(
+        True, f"nvcc 12.9 at {nvcc}", (12, 9)
+    )
     # CUDA_PATH when CUDA_HOME is unset or empty
     assert probe({"CUDA_HOME": "", "CUDA_PATH": str(tmp_path / "cuda")}).found
 

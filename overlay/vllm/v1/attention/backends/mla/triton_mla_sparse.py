@@ -352,6 +352,18 @@ class JitToolchain:
     found: bool
     # what was found, or what is missing (it goes into the log line)
     detail: str
+    # the release of the nvcc found (None with NVRTC or when nothing was found)
+    nvcc_release: tuple[int, int] | None = None
+
+
+def _nvcc_floor_for_device(major: int, minor: int) -> tuple[int, int]:
+    """The first nvcc release that compiles for this device: CUDA 12.8 added sm_100 and
+    sm_120, 12.9 sm_103 and sm_121 (and the ``f`` family targets DeepGEMM uses from 12.9)."""
+    if (major, minor) in ((10, 3), (12, 1)):
+        return (12, 9)
+    if major in (10, 12):
+        return (12, 8)
+    return (12, 0)
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:
@@ -424,7 +436,7 @@ def find_deep_gemm_jit_toolchain(
             f"nvcc {version} at {nvcc}; DeepGEMM {jit.version} needs "
             f"{'%d.%d' % jit.min_nvcc} or newer",
         )
-    return JitToolchain(True, f"nvcc {version} at {nvcc}")
+    return JitToolchain(True, f"nvcc {version} at {nvcc}", release)
 
 
 @functools.cache
@@ -443,7 +455,8 @@ def dsa_indexer_choice(vllm_config: "VllmConfig") -> tuple[bool, str]:
          ``support_deep_gemm``: SM90, SM10x, SM12x): Triton;
       4. TRITON_MLA_SPARSE serves the sparse MLA layers (``--attention-backend``, or vLLM's
          choice on SM12x): Triton, so the attention stack has no JIT-built CUDA;
-      5. DeepGEMM's JIT toolchain is not found (``deep_gemm_jit_toolchain``): Triton;
+      5. DeepGEMM's JIT toolchain is not found (``deep_gemm_jit_toolchain``), or its nvcc
+         predates the device (``_nvcc_floor_for_device``): Triton;
       6. otherwise DeepGEMM, as upstream.
     """
     from vllm.platforms import current_platform
@@ -470,6 +483,12 @@ def dsa_indexer_choice(vllm_config: "VllmConfig") -> tuple[bool, str]:
     toolchain = deep_gemm_jit_toolchain()
     if not toolchain.found:
         return True, f"DeepGEMM cannot JIT-compile its kernels here: {toolchain.detail}"
+    floor = _nvcc_floor_for_device(cap.major, cap.minor)
+    if toolchain.nvcc_release is not None and toolchain.nvcc_release < floor:
+        return True, (
+            f"DeepGEMM cannot JIT-compile its kernels for {sm}: {toolchain.detail}, and nvcc "
+            f"compiles for {sm} from {'%d.%d' % floor}"
+        )
     return False, (
         f"{backend} serves the sparse MLA layers, {sm} is supported and DeepGEMM "
         f"{API.deep_gemm_jit.version} compiles with {toolchain.detail}"
