@@ -483,7 +483,7 @@ def dsa_indexer_choice(vllm_config: "VllmConfig") -> tuple[bool, str]:
     toolchain = deep_gemm_jit_toolchain()
     if not toolchain.found:
         return True, f"DeepGEMM cannot JIT-compile its kernels here: {toolchain.detail}"
-    floor = _nvcc_floor_for_device(cap.major, cap.minor)
+    floor = _nvcc_floor_for_device(cap.major, cap.minor) if cap is not None else (12, 0)
     if toolchain.nvcc_release is not None and toolchain.nvcc_release < floor:
         return True, (
             f"DeepGEMM cannot JIT-compile its kernels for {sm}: {toolchain.detail}, and nvcc "
