@@ -125,3 +125,28 @@ def test_indexer_scale_probe_matches_the_tree(compat):
         assert not has_mx, "this vLLM can store MX indexer scales: the entry must ask deep_gemm"
     else:
         assert has_mx
+
+
+def test_deep_gemm_jit_entry_matches_the_vendored_deepgemm(compat):
+    """The entry's DeepGEMM facts, read from the installed tree's vllm/third_party/deep_gemm (its
+    extension cannot be loaded without a GPU; its text can): the version, the oldest nvcc its
+    compiler accepts, and whether DG_JIT_USE_NVRTC exists in it."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("vllm.third_party.deep_gemm")
+    assert spec is not None and spec.submodule_search_locations, "this vLLM vendors no DeepGEMM"
+    root = Path(list(spec.submodule_search_locations)[0])
+    version = re.search(r"__version__ = '([^']+)'", (root / "__init__.py").read_text())
+    jit = compat.API.deep_gemm_jit
+    assert version and version.group(1) == jit.version
+    extensions = sorted(root.glob("_C*.so"))
+    assert extensions, f"no compiled extension in {root}"
+    binary = extensions[0].read_bytes()
+    # 2.5.0: "NVCC version should be >= 12.3"; 2.8.1: "NVCC version must be at least 12.9"
+    floors = {tuple(int(x) for x in m.groups())
+              for m in re.finditer(rb"NVCC version (?:should be >= |must be at least )(\d+)\.(\d+)",
+                                   binary)}
+    assert floors == {jit.min_nvcc}
+    assert (b"DG_JIT_USE_NVRTC" in binary) == jit.nvrtc_switch
+    assert (b"nvrtcCompileProgram" in binary) == jit.nvrtc_switch

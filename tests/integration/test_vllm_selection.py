@@ -183,6 +183,12 @@ def test_deepgemm_indexer_kept_for_other_backends_when_available(
 
     simulated_cuda(9, 0)
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
+    # DeepGEMM's JIT finds nvcc (test_dsa_indexer_choice.py has the cases without it)
+    monkeypatch.setattr(
+        triton_mla_sparse,
+        "deep_gemm_jit_toolchain",
+        lambda: triton_mla_sparse.JitToolchain(True, "nvcc 12.9 at /fake/bin/nvcc"),
+    )
     from vllm.config import set_current_vllm_config
 
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla")
@@ -193,7 +199,7 @@ def test_deepgemm_indexer_kept_for_other_backends_when_available(
 
 
 def test_mx_scale_indexer_cache_keeps_deepgemm(
-    simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
+    simulated_cuda, monkeypatch, request, glm5_model_config, require_triton_indexer
 ):
     """On SM100, vLLM 0.33+ stores the indexer cache with MX scales (written by the model's
     fused K-cache kernel), which the Triton kernels do not read: the indexer stays on
@@ -201,11 +207,22 @@ def test_mx_scale_indexer_cache_keeps_deepgemm(
     import vllm.utils.deep_gemm as deep_gemm
     from vllm.v1.attention.backends.mla import triton_mla_sparse
 
+    import vllm.platforms as platforms
+
     simulated_cuda(10, 0)
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
+    # deep_gemm bound the platform of its import (CPU here): give it the simulated one, and
+    # forget its cached answer before and after
+    monkeypatch.setattr(deep_gemm, "current_platform", platforms._current_platform)
+    mx = getattr(deep_gemm, "mqa_logits_use_mx_scales", None)
+    if mx is not None:
+        mx.cache_clear()
+        request.addfinalizer(mx.cache_clear)
     from vllm.config import set_current_vllm_config
 
-    mx_scales = getattr(deep_gemm, "mqa_logits_use_mx_scales", lambda: False)()
+    mx_scales = mx() if mx is not None else False
+    assert mx_scales == (triton_mla_sparse.API.indexer_cache_uses_mx_scales is not
+                         triton_mla_sparse.compat._indexer_scales_fp32)
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla", backend=BACKEND)
     with set_current_vllm_config(vllm_config):
         assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config) == (not mx_scales)

@@ -27,6 +27,13 @@ Kernels: ``vllm/v1/attention/ops/triton_sparse_mla.py`` (attention) and
 ``vllm/v1/attention/ops/triton_mla_kv_cache.py`` (cache writes).
 """
 
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -57,7 +64,7 @@ logger = init_logger(__name__)
 BACKEND_NAME = "TRITON_MLA_SPARSE"
 
 # What differs between the vLLM pins (top-k path, metadata class, fp8_ds_mla scale
-# format, KV spec hook, indexer scale format) is one entry per API generation in
+# format, KV spec hook, indexer scale format, DeepGEMM's JIT) is one entry per API generation in
 # triton_mla_sparse_compat.py; API is the entry for this tree.
 API = compat.API
 _DS_SCALE_FORMAT = API.ds_scale_format
@@ -329,26 +336,183 @@ class TritonMLASparseImpl(
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
 
-def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
-    """Whether the DSA indexer of this model runs on the Triton kernels.
+# ---------------------------------------------------------------------------------------------
+# Which DSA indexer runs: the Triton kernels or DeepGEMM
+# ---------------------------------------------------------------------------------------------
 
-    True when the sparse MLA layers are served by TRITON_MLA_SPARSE (the whole
-    attention stack then stays free of JIT-built CUDA), or when DeepGEMM, the
-    only other CUDA indexer, is missing or does not support the device; never
-    where vLLM stores the indexer cache with MX scales (0.33+ on SM100).
+# DeepGEMM's last resort for the CUDA home, in both vendored versions (a module constant so
+# that tests can move it).
+_DEFAULT_CUDA_HOME = "/usr/local/cuda"
+
+
+@dataclass(frozen=True)
+class JitToolchain:
+    """What DeepGEMM's JIT would compile the indexer kernels with on this host."""
+
+    found: bool
+    # what was found, or what is missing (it goes into the log line)
+    detail: str
+    # the release of the nvcc found (None with NVRTC or when nothing was found)
+    nvcc_release: tuple[int, int] | None = None
+
+
+def _nvcc_floor_for_device(major: int, minor: int) -> tuple[int, int]:
+    """The first nvcc release that compiles for this device: CUDA 12.8 added sm_100 and
+    sm_120, 12.9 sm_103 and sm_121 (and the ``f`` family targets DeepGEMM uses from 12.9)."""
+    if (major, minor) in ((10, 3), (12, 1)):
+        return (12, 9)
+    if major in (10, 12):
+        return (12, 8)
+    return (12, 0)
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env.get(name, "0") or "0")
+    except ValueError:
+        return 0
+
+
+def _deep_gemm_cuda_home(env: Mapping[str, str]) -> str | None:
+    """The CUDA home DeepGEMM would use: CUDA_HOME, CUDA_PATH, the nvcc on PATH, then
+    /usr/local/cuda (compat.DeepGemmJit has where each version does this)."""
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if home:
+        return home
+    nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath))
+    if nvcc:
+        return os.path.dirname(os.path.dirname(nvcc))
+    return _DEFAULT_CUDA_HOME if os.path.exists(_DEFAULT_CUDA_HOME) else None
+
+
+def _nvcc_release(nvcc: str) -> tuple[int, int] | None:
+    """``nvcc --version``'s release, read as DeepGEMM reads it; None when it cannot."""
+    try:
+        out = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def find_deep_gemm_jit_toolchain(
+    jit: compat.DeepGemmJit, environ: Mapping[str, str] | None = None
+) -> JitToolchain:
+    """Whether the vendored DeepGEMM described by ``jit`` finds a compiler for its JIT
+    here, looked for the way DeepGEMM looks for it. Never raises: anything missing or
+    broken is a ``JitToolchain(False, why)``.
+
+    Every vLLM wheel ships DeepGEMM, so ``has_deep_gemm()`` is true everywhere; but its
+    kernels are compiled on first use, and without nvcc (or, on DeepGEMM 2.5.0, NVRTC and
+    the CUDA headers) that first use fails.
+    """
+    env = os.environ if environ is None else environ
+    home = _deep_gemm_cuda_home(env)
+    if home is None:
+        return JitToolchain(
+            False,
+            f"no CUDA toolkit (CUDA_HOME and CUDA_PATH unset, no nvcc on PATH, no "
+            f"{_DEFAULT_CUDA_HOME})",
+        )
+    if not os.path.isdir(home):
+        return JitToolchain(False, f"the CUDA home {home} does not exist")
+    if jit.nvrtc_switch and _env_int(env, "DG_JIT_USE_NVRTC"):
+        header = os.path.join(home, "include", "cuda_fp8.h")
+        if os.path.isfile(header):
+            return JitToolchain(True, f"NVRTC (DG_JIT_USE_NVRTC) with the headers of {home}")
+        return JitToolchain(False, f"DG_JIT_USE_NVRTC is set but {header} does not exist")
+    nvcc = env.get("DG_JIT_NVCC_COMPILER") or os.path.join(home, "bin", "nvcc")
+    if not (os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)):
+        return JitToolchain(False, f"no nvcc at {nvcc}")
+    release = _nvcc_release(nvcc)
+    if release is None:
+        return JitToolchain(False, f"{nvcc} --version names no release")
+    version = "%d.%d" % release
+    if release < jit.min_nvcc:
+        return JitToolchain(
+            False,
+            f"nvcc {version} at {nvcc}; DeepGEMM {jit.version} needs "
+            f"{'%d.%d' % jit.min_nvcc} or newer",
+        )
+    return JitToolchain(True, f"nvcc {version} at {nvcc}", release)
+
+
+@functools.cache
+def deep_gemm_jit_toolchain() -> JitToolchain:
+    """``find_deep_gemm_jit_toolchain`` for this pin's DeepGEMM, once per process."""
+    return find_deep_gemm_jit_toolchain(API.deep_gemm_jit)
+
+
+def dsa_indexer_choice(vllm_config: "VllmConfig") -> tuple[bool, str]:
+    """(whether the DSA indexer runs on the Triton kernels, why), on a CUDA platform.
+
+    In order:
+      1. the indexer cache holds MX scales (vLLM 0.33+ on SM100): DeepGEMM, the only reader;
+      2. DeepGEMM is not importable: Triton;
+      3. the device is not one DeepGEMM's indexer kernels are built for (vLLM's
+         ``support_deep_gemm``: SM90, SM10x, SM12x): Triton;
+      4. TRITON_MLA_SPARSE serves the sparse MLA layers (``--attention-backend``, or vLLM's
+         choice on SM12x): Triton, so the attention stack has no JIT-built CUDA;
+      5. DeepGEMM's JIT toolchain is not found (``deep_gemm_jit_toolchain``), or its nvcc
+         predates the device (``_nvcc_floor_for_device``): Triton;
+      6. otherwise DeepGEMM, as upstream.
     """
     from vllm.platforms import current_platform
     from vllm.utils.deep_gemm import has_deep_gemm
 
+    cap = current_platform.get_device_capability()
+    sm = f"SM{cap.major}{cap.minor}" if cap is not None else "this device"
+    if API.indexer_cache_uses_mx_scales():
+        # vLLM 0.33+ on SM100 writes the indexer cache with MX (UE8M0 x4) scales in the
+        # model's fused K-cache kernel; the Triton kernels read fp32 scales.
+        return False, (
+            f"vLLM stores the indexer cache with MX scales on {sm}, which only DeepGEMM reads"
+        )
+    if not has_deep_gemm():
+        return True, "DeepGEMM is not installed"
+    if not current_platform.support_deep_gemm():
+        return True, f"DeepGEMM's indexer kernels are built for SM90, SM10x and SM12x, not {sm}"
+    backend = selected_sparse_mla_backend(vllm_config)
+    if backend == BACKEND_NAME:
+        requested = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        requested = getattr(requested, "name", requested) == BACKEND_NAME
+        how = "requested" if requested else "vLLM's choice"
+        return True, f"{BACKEND_NAME} serves the sparse MLA layers ({how})"
+    toolchain = deep_gemm_jit_toolchain()
+    if not toolchain.found:
+        return True, f"DeepGEMM cannot JIT-compile its kernels here: {toolchain.detail}"
+    floor = _nvcc_floor_for_device(cap.major, cap.minor) if cap is not None else (12, 0)
+    if toolchain.nvcc_release is not None and toolchain.nvcc_release < floor:
+        return True, (
+            f"DeepGEMM cannot JIT-compile its kernels for {sm}: {toolchain.detail}, and nvcc "
+            f"compiles for {sm} from {'%d.%d' % floor}"
+        )
+    return False, (
+        f"{backend} serves the sparse MLA layers, {sm} is supported and DeepGEMM "
+        f"{API.deep_gemm_jit.version} compiles with {toolchain.detail}"
+    )
+
+
+def use_triton_dsa_indexer(vllm_config: "VllmConfig") -> bool:
+    """Whether the DSA indexer of this model runs on the Triton kernels (see
+    ``dsa_indexer_choice``); logs the path and the reason once (info). Never raises for a
+    missing toolchain: that picks the Triton kernels, or, where only DeepGEMM can read the
+    cache, keeps DeepGEMM and warns."""
+    from vllm.platforms import current_platform
+
     if not current_platform.is_cuda():
         return False
-    if API.indexer_cache_uses_mx_scales():
-        # vLLM 0.33+ on SM100 writes the indexer cache with MX (UE8M0 x4) scales
-        # in the model's fused K-cache kernel; the Triton kernels read fp32 scales.
-        return False
-    if not (has_deep_gemm() and current_platform.support_deep_gemm()):
-        return True
-    return selected_sparse_mla_backend(vllm_config) == BACKEND_NAME
+    use_triton, reason = dsa_indexer_choice(vllm_config)
+    logger.info_once(f"DSA indexer: {'Triton kernels' if use_triton else 'DeepGEMM'} ({reason})")
+    if not use_triton and not deep_gemm_jit_toolchain().found:
+        logger.warning_once(
+            "DSA indexer: DeepGEMM must run here but its JIT toolchain was not found "
+            f"({deep_gemm_jit_toolchain().detail}): its first kernel build will fail; install "
+            f"a CUDA toolkit with nvcc >= {'%d.%d' % API.deep_gemm_jit.min_nvcc} or set CUDA_HOME"
+        )
+    return use_triton
 
 
 def selected_sparse_mla_backend(vllm_config: "VllmConfig") -> str:

@@ -20,9 +20,12 @@ each API generation is one entry of ``GENERATIONS``:
                                                               number of flat rows apart
   indexer K scales     fp32 on every device                   MX (UE8M0 x4) on SM100, per
                                                               ``deep_gemm.mqa_logits_use_mx_scales``
+  DeepGEMM's JIT       vendored DeepGEMM 2.5.0: nvcc >= 12.3  vendored DeepGEMM 2.8.1: nvcc >= 12.9
+                       (or NVRTC with ``DG_JIT_USE_NVRTC``)   only (no NVRTC compiler in it)
   ===================  =====================================  =====================================
 
-(The scale facts were read from the release wheels' cache writers; the other
+(The scale facts were read from the release wheels' cache writers; the JIT facts
+from the wheels' ``vllm/third_party/deep_gemm``, see ``DeepGemmJit``; the other
 rows from their Python sources.) 0.33.0 also passes ``skip_scale`` to
 ``do_kv_cache_update``; the backend's signature takes it with a default, so
 that needs no entry.
@@ -199,6 +202,30 @@ def _indexer_scales_mx_per_deep_gemm() -> bool:
     return deep_gemm.mqa_logits_use_mx_scales()
 
 
+@dataclass(frozen=True)
+class DeepGemmJit:
+    """How the DeepGEMM vendored in a release (``vllm/third_party/deep_gemm``)
+    JIT-compiles the indexer's kernels (``fp8_fp4_mqa_logits``,
+    ``fp8_fp4_paged_mqa_logits``, ``get_paged_mqa_logits_metadata``) on first use.
+
+    Both versions find the CUDA home the same way -- ``CUDA_HOME``, then
+    ``CUDA_PATH``, then the folder above ``bin/`` of the ``nvcc`` on ``PATH``,
+    then ``/usr/local/cuda`` if it exists (2.5.0: ``_find_cuda_home`` in its
+    ``__init__.py``; 2.8.1: the same order in its compiled extension) -- and
+    compile with ``$DG_JIT_NVCC_COMPILER`` or ``<home>/bin/nvcc``, refusing an
+    nvcc older than ``min_nvcc`` (2.5.0: "NVCC version should be >= 12.3";
+    2.8.1: "NVCC version must be at least 12.9"). 2.5.0 alone can compile with
+    NVRTC instead (``DG_JIT_USE_NVRTC`` set to a non-zero integer; its extension
+    links ``libnvrtc``), against the headers in ``<home>/include``.
+    """
+
+    # ``__version__`` of the vendored copy (tests/integration/test_pin_compat.py reads it)
+    version: str
+    min_nvcc: tuple[int, int]
+    # whether DG_JIT_USE_NVRTC=1 switches the JIT to NVRTC
+    nvrtc_switch: bool
+
+
 def _base_converts_topk() -> bool:
     return hasattr(SparseMLACommonImpl, "_forward_mqa_kernel") and hasattr(
         sparse_mla_attention, "SparseMLACommonMetadata"
@@ -233,6 +260,8 @@ class SparseMLAApi:
     customize_kv_spec: Callable[["AttentionSpec"], "AttentionSpec"]
     # whether the indexer K cache carries MX scales (the Triton indexer reads fp32 only)
     indexer_cache_uses_mx_scales: Callable[[], bool]
+    # how the vendored DeepGEMM JIT-compiles (what use_triton_dsa_indexer probes for)
+    deep_gemm_jit: DeepGemmJit
 
 
 GENERATIONS: tuple[SparseMLAApi, ...] = (
@@ -245,6 +274,7 @@ GENERATIONS: tuple[SparseMLAApi, ...] = (
         ds_scale_format="arbitrary_fp32",
         customize_kv_spec=_spec_unchanged,
         indexer_cache_uses_mx_scales=_indexer_scales_fp32,
+        deep_gemm_jit=DeepGemmJit(version="2.5.0", min_nvcc=(12, 3), nvrtc_switch=True),
     ),
     SparseMLAApi(
         name="base-converts-topk",
@@ -255,6 +285,7 @@ GENERATIONS: tuple[SparseMLAApi, ...] = (
         ds_scale_format="pow2_fp32",
         customize_kv_spec=_spec_blocks_whole_rows_apart,
         indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
+        deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
     ),
 )
 
