@@ -741,6 +741,7 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
     run.log(f"engine up in {res['engine_init_s']} s; {facts}")
     V = cfg["vocab_size"] - 64  # ordinary ids, below the special ones
     eng = llm.llm_engine
+    render = getattr(llm, "_preprocess_cmpl_one", None)
     counter = [0]
     base_cache: dict[int, np.ndarray] = {}
     longest: dict[int, int] = collections.defaultdict(int)
@@ -766,7 +767,10 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
         for p in prompts:
             counter[0] += 1
             rid = f"r{counter[0]}"
-            eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+            # rendered as LLM.generate renders it (vLLM 0.26.0: LLM._preprocess_cmpl_one); LLM.enqueue
+            # would force output_kind FINAL_ONLY, so the request goes to the engine directly
+            tp = TokensPrompt(prompt_token_ids=p)
+            eng.add_request(rid, render(tp) if render else tp, sp)
             rids.append(rid)
         events, finals = [], {}
         while eng.has_unfinished_requests():

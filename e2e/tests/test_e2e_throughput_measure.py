@@ -369,6 +369,19 @@ def test_fake_engine_run_writes_valid_records_without_overlap(tmp_path):
     assert res["device_time_s"] > 0 and all(e["job"]["wall_s"] for e in res["engines"].values())
 
 
+def test_fake_engines_overlap_only_with_prefetch_imports(tmp_path):
+    """The opposite case of the test above, so that its overlap check can fail: with
+    --prefetch-imports the second engine's vLLM import runs while the first engine works."""
+    p, res = _run_fake(tmp_path, ["--shapes", "tp1,tp8", "--backends", "triton_fp8", "--contexts", "256",
+                                  "--batches", "1", "--prefetch-imports"], {"FAKE_VLLM_INIT_S": "2.0"})
+    assert p.returncode == 0, p.stdout[-3000:]
+    spans = {}
+    for what, pid, t in (ln.split() for ln in (tmp_path / "events.txt").read_text().splitlines()):
+        spans.setdefault(pid, {})[what] = float(t)
+    workers = sorted((s["import"], s["exit"]) for s in spans.values() if s.get("exit", 0) - s.get("import", 0) > 1.9)
+    assert len(workers) == 2 and workers[1][0] < workers[0][1]
+
+
 def test_fake_engine_outlier_fails_the_run_loudly(tmp_path):
     # passes: 1 warm-up, 2 fill, 3 untimed batch-4 pass, 4..8 timed -> the 3rd timed sample is 3x slower
     p, res = _run_fake(tmp_path, ["--shapes", "tp1", "--backends", "triton_fp8", "--contexts", "256", "--batches", "4,1"],
