@@ -460,3 +460,113 @@ def test_merge_joins_calls_flags_duplicates_and_writes_tables(tmp_path, monkeypa
         return
     assert T.main(["--merge", str(f1), str(f2), "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 10000
+
+
+def test_matrix_engine_kwargs_are_accepted_by_vllm_engine_args():
+    """Every engine of the matrix: each key names an EngineArgs field, the compilation and
+    speculative configs parse (vLLM 0.26.0 installed; skipped elsewhere)."""
+    pytest.importorskip("vllm.engine.arg_utils", exc_type=ImportError)
+    import dataclasses
+
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for u in T.full_matrix():
+        spec = {"model": "/m", **T.BACKENDS[u["arm"]], "points": u["points"], "prefill": u["prefill"],
+                "prefill_batch": 16, "new_tokens": 256, "chunk": 16384, "kv_gib": 24, "compile": u["compile"],
+                "mtp": u["mtp"], "draft_backend": "auto", "profile": u["profile"], "prof_dir": "/tmp/p",
+                "profile_steps": 8}
+        kw = T.engine_kwargs(spec)
+        assert set(kw) <= fields, set(kw) - fields
+        cc = CompilationConfig(**kw["compilation_config"])
+        assert (cc.mode is not None and int(cc.mode) == 0) != u["compile"]  # compile: vLLM's default
+
+
+def test_vllm_output_processor_gives_per_step_engine_timestamps():
+    """vLLM 0.26.0's own OutputProcessor (the frontend half of LLMEngine.step), fed engine-core
+    outputs of a batch of 3 with a ramp: with log_stats and output_kind DELTA every step yields one
+    RequestOutput per request whose metrics.last_token_ts is that step's engine timestamp, so the
+    worker's events give analyze_decode exact per-token times; without log_stats metrics is None.
+    Skipped where vLLM is not installed."""
+    pytest.importorskip("vllm.v1.engine.output_processor", exc_type=ImportError)
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
+                                FinishReason)
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.metrics.stats import IterationStats
+
+    def run(log_stats):
+        op = OutputProcessor(tokenizer=None, log_stats=log_stats)
+        n_tok = 6
+        start = {"q0": 0, "q1": 0, "q2": 2}  # q2 arrives late: its prefill ends 2 steps later
+        for rid in start:
+            sp = SamplingParams(max_tokens=n_tok, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+            op.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
+                                             sampling_params=sp, pooling_params=None, arrival_time=0.0,
+                                             lora_request=None, cache_salt=None, data_parallel_rank=None,
+                                             external_req_id=rid), None)
+        events, finals = [], {}
+        for step in range(n_tok + 2):
+            ts = 100.0 + 0.005 * step
+            outs = []
+            for rid, s0 in start.items():
+                k = step - s0  # token index of this request in this step
+                if 0 <= k < n_tok:
+                    ev = [EngineCoreEvent.new_event(EngineCoreEventType.SCHEDULED, ts - 0.004)] if k == 0 else None
+                    outs.append(EngineCoreOutput(request_id=rid, new_token_ids=[7], events=ev,
+                                                 finish_reason=FinishReason.LENGTH if k == n_tok - 1 else None))
+            res = op.process_outputs(outs, engine_core_timestamp=ts,
+                                     iteration_stats=IterationStats() if log_stats else None)
+            for o in res.request_outputs:
+                if o.metrics is None:
+                    return None
+                events.append({"rid": o.request_id, "ts": o.metrics.last_token_ts, "n": len(o.outputs[0].token_ids)})
+                if o.finished:
+                    finals[o.request_id] = o.metrics
+        return events, finals
+
+    assert run(False) is None
+    events, finals = run(True)
+    assert len(events) == 3 * 6 and all(e["n"] == 1 for e in events)
+    assert finals["q2"].first_token_ts == pytest.approx(100.010) and finals["q0"].last_token_ts == pytest.approx(100.025)
+    assert finals["q2"].scheduled_ts == pytest.approx(100.006)
+    s = T.analyze_decode(events, batch=3, max_tokens=6, min_window_frac=0.3)
+    assert s["errors"] == [] and s["ramp_steps"] == 2 and s["window_steps"] == 3
+    assert s["tpot_ms"] == pytest.approx(5.0)
+
+
+def test_vllm_creates_the_engine_config_of_every_matrix_engine(tmp_path, monkeypatch):
+    """EngineArgs(**engine_kwargs).create_engine_config() for every run-1 engine of the matrix on
+    the CPU (device type faked as cuda): both shapes' configs, FP8 block quantization, MTP, capture
+    sizes, stats on. Needs vLLM 0.26.0 (patched: TRITON_MLA_SPARSE) and compressed_tensors; skipped
+    elsewhere."""
+    pytest.importorskip("vllm.engine.arg_utils", exc_type=ImportError)
+    pytest.importorskip("compressed_tensors")
+    import vllm.platforms as pl
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(pl.current_platform, "device_type", "cuda", raising=False)
+    dirs = {}
+    for shape, preset in T.SHAPES.items():
+        dirs[shape] = tmp_path / preset
+        M.write_model(dirs[shape], preset, 0, log=lambda *_: None)
+    for u in T.full_matrix(runs=(1,)):
+        spec = {"model": str(dirs[u["shape"]]), **T.BACKENDS[u["arm"]], "points": u["points"], "prefill": u["prefill"],
+                "prefill_batch": 16, "new_tokens": 256, "chunk": 16384, "kv_gib": 24, "compile": u["compile"],
+                "mtp": u["mtp"], "draft_backend": "auto", "profile": None}
+        try:
+            c = EngineArgs(**T.engine_kwargs(spec)).create_engine_config()
+        except ValueError as e:
+            if "TRITON_MLA_SPARSE" in str(e):
+                pytest.skip("stock vLLM: no TRITON_MLA_SPARSE")
+            raise
+        assert c.model_config.get_num_attention_heads(c.parallel_config) == (8 if u["shape"] == "tp8" else 64)
+        assert c.cache_config.cache_dtype == T.BACKENDS[u["arm"]]["kv"]
+        assert c.observability_config is not None
+        sizes = c.compilation_config.cudagraph_capture_sizes
+        for p in u["points"]:
+            assert all(b * (1 + u["mtp"]) in sizes for b in p["batches"]), (T.engine_name(u), sizes)
+        if u["mtp"]:
+            assert c.speculative_config.num_speculative_tokens == u["mtp"] and c.speculative_config.method == "mtp"
