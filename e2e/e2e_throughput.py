@@ -662,6 +662,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_batched_tokens=spec["chunk"], enable_prefix_caching=True,
         kv_cache_memory_bytes=int(spec["kv_gib"] * 2**30), gpu_memory_utilization=0.8,
         disable_log_stats=False,  # RequestOutput.metrics (the engine timestamps) exist only with stats on
+        stream_interval=1,  # a DELTA output per step (vLLM's default; > 1 would batch steps' tokens)
         tensor_parallel_size=int(spec.get("tp", 1)),
     )
     if spec.get("profile"):

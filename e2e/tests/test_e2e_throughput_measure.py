@@ -292,7 +292,7 @@ def test_engine_kwargs_enable_stats_and_the_arms_settings():
             "prefill": None, "prefill_batch": 16, "new_tokens": 256, "chunk": 16384, "kv_gib": 24, "compile": False,
             "mtp": 3, "draft_backend": "auto", "profile": None}
     kw = T.engine_kwargs(spec)
-    assert kw["disable_log_stats"] is False
+    assert kw["disable_log_stats"] is False and kw["stream_interval"] == 1
     assert kw["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and kw["compilation_config"]["mode"] == 0
     assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     kw = T.engine_kwargs({**spec, "compile": True, "mtp": 0, "draft_backend": "same"})
