@@ -1,7 +1,7 @@
 """Harness shared by the end-to-end scripts (e2e/e2e_correctness.py, e2e_throughput.py,
 e2e_serve_check.py): phase logging with timings, results written as they come, engine jobs in
-their own subprocesses (one GPU engine at a time, the next job's `import vllm` overlapped with the
-current one), the environment the staged vLLM needs, and small statistics helpers.
+their own subprocesses (one GPU engine at a time; the next job's `import vllm` overlapped with the
+current one unless the caller turns that off, as the timed throughput runs do), the environment the staged vLLM needs, and small statistics helpers.
 
 Standard library only at import time (numpy/torch/vllm are imported where used), so the drivers
 start fast and the CPU tests can import it anywhere.
@@ -243,10 +243,12 @@ def _rnd(x):
 
 
 def run_jobs(jobs: list[Job], run: Run, deadline: float,
-             on_done: Callable[[Job, dict[str, Any]], None]) -> None:
-    """Run jobs one at a time on the GPU, in order; job i+1 is started (imports only) while job i runs
-    (a job may also have been started by the caller already). A job whose expected duration does not
-    fit before `deadline` is skipped; a running job is killed at min(its timeout, deadline)."""
+             on_done: Callable[[Job, dict[str, Any]], None], prefetch: bool = True) -> None:
+    """Run jobs one at a time on the GPU, in order. With `prefetch`, job i+1 is started (imports
+    only) while job i runs (a job may also have been started by the caller already); without it
+    (timed work: nothing may run beside the measured engine) job i+1's process starts only after
+    job i's process group is gone. A job whose expected duration does not fit before `deadline` is
+    skipped; a running job is killed at min(its timeout, deadline)."""
     for i, job in enumerate(jobs):
         now = time.time()
         if now + min(job.expect_s, job.timeout_s) > deadline:
@@ -264,7 +266,7 @@ def run_jobs(jobs: list[Job], run: Run, deadline: float,
         if job.proc is None:
             job.start()
         nxt = jobs[i + 1] if i + 1 < len(jobs) else None
-        if nxt is not None and nxt.proc is None:
+        if prefetch and nxt is not None and nxt.proc is None:
             nxt.start()  # its imports overlap this job's GPU work
         job.go()
         run.log(f"job {job.name}: go (timeout {min(job.timeout_s, deadline - time.time()):.0f} s)")
@@ -451,6 +453,15 @@ def log_facts(log_path: pathlib.Path) -> dict[str, Any]:
     m += re.findall(r"Using AttentionBackendEnum\.(\w+) backend", text)
     if m:
         facts["attention_backends_logged"] = sorted(set(m))
+    # with MTP, what is selected after "Loading drafter model" is the draft layer's (vLLM never
+    # inherits the target's backend for the drafter unless the speculative config names one; an
+    # identical selection is cached and not logged again)
+    cut = text.find("Loading drafter model")
+    if cut >= 0:
+        pat = r"Using (?:AttentionBackendEnum\.)?(\w+?)(?: attention)? backend"
+        facts["target_attention_backends_logged"] = sorted(set(re.findall(pat, text[:cut])) - {"standard"})
+        facts["draft_attention_backends_logged"] = (sorted(set(re.findall(pat, text[cut:])) - {"standard"})
+                                                    or "none logged: the target's selection, cached")
     m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
     if m:
         facts["kv_cache_tokens_logged"] = int(m[-1].replace(",", ""))

@@ -22,6 +22,19 @@ Presets (`--preset`):
   block-FP8 ``quantization_config`` (``quant_method: fp8``, dynamic activations, ``weight_block_size
   [128, 128]``): config.json only, for ``load_format="dummy"`` (issue 6). No weights, no tokenizer
   (the throughput engine runs with ``skip_tokenizer_init``).
+* ``glm5-6l-tp8``: the TP8 per-rank shape of ``glm5-6l`` (issue 13), served at TP1 on one GPU: what
+  one of 8 tensor-parallel ranks computes per layer under vLLM 0.26.0's defaults. Scaled by 1/8:
+  attention heads 64 -> 8 (q_b_proj, kv_b_proj, o_proj are split over heads; FLASHMLA_SPARSE pads
+  8 heads to 64 for its FP8 decode kernel exactly as it does at TP8), dense MLP intermediate
+  12288 -> 1536, expert intermediate 2048 -> 256 for all 256 routed experts and the shared one
+  (vLLM's default TP MoE; expert parallelism, 32 whole experts per rank, needs
+  ``enable_expert_parallel`` and is not the default), vocabulary 154880 -> 19360 (vocab-parallel
+  embedding and lm_head; pad/eos ids moved inside it). Unchanged (replicated on every rank):
+  hidden 6144, q_lora 2048, kv_lora 512 + rope 64 (so the KV cache per token is the TP1 one), the
+  indexer (32 heads x 128, top-k 2048: ReplicatedLinear / disable_tp in vLLM), the router, the
+  norms, 6 layers (3 dense + 3 MoE), the MTP layer's shapes follow the same config. Not modelled:
+  the TP8 all-reduces (after o_proj and after each MLP/MoE) and the logits gather; the sampler
+  sees 19360 logits instead of 154880. The exact fields are ``TP8_RANK_SCALED``.
 * ``micro``: the tiny model shrunk further (4 heads, hidden 256) for the CPU tests only; the head
   dims stay 192/64/256 and the latent 576.
 
@@ -39,6 +52,7 @@ usage:
   python e2e/e2e_model.py --out /tmp/e2e/glm5-tiny                 # build (about 10 s on 16 cores)
   python e2e/e2e_model.py --out /tmp/e2e/glm5-tiny --check-hf      # build, then verify against HF
   python e2e/e2e_model.py --out /tmp/e2e/glm5-6l --preset glm5-6l  # config only
+  python e2e/e2e_model.py --out /tmp/e2e/glm5-6l-tp8 --preset glm5-6l-tp8  # config only
 """
 from __future__ import annotations
 
@@ -197,7 +211,35 @@ def _glm5_6l_config() -> dict[str, Any]:
     return c
 
 
-PRESETS = {"tiny": _tiny_config, "micro": _micro_config, "glm5-6l": _glm5_6l_config}
+# What one rank of a TP8 GLM-5 holds under vLLM 0.26.0's defaults (enable_expert_parallel False:
+# FusedMoE splits every expert's intermediate dimension over the TP ranks, it does not spread the
+# experts; EP would give 32 whole experts per rank instead). Module by module (deepseek_v2.py):
+#   split by TP (/8): q_b_proj, kv_b_proj (ColumnParallel over heads), o_proj (RowParallel over
+#     heads) -> num_attention_heads 64 -> 8; the dense MLP (MergedColumnParallel gate_up +
+#     RowParallel down) -> intermediate_size 12288 -> 1536; the routed experts (FusedMoE, TP) and
+#     the shared expert (DeepseekV2MLP, TP) -> moe_intermediate_size 2048 -> 256 (all 256 experts
+#     kept); VocabParallelEmbedding and ParallelLMHead -> vocab_size 154880 -> 19360;
+#   replicated (unchanged): fused q_a/kv_a projection (q_lora 2048, kv_lora 512 + rope 64), the
+#     indexer (wq_b ReplicatedLinear, wk+weights_proj disable_tp: 32 heads x 128, top-k 2048), the
+#     router gate (256 x 6144), the norms, hidden_size 6144.
+TP8_RANK_SCALED = {"num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1536,
+                   "moe_intermediate_size": 256, "vocab_size": 154880 // 8}
+
+
+def _glm5_6l_tp8_config() -> dict[str, Any]:
+    c = _glm5_6l_config()
+    c.update(TP8_RANK_SCALED)
+    # special ids inside the per-rank vocabulary (the engines run with ignore_eos, so only their
+    # range matters: vLLM would reject or mis-index ids past vocab_size)
+    V = c["vocab_size"]
+    c["pad_token_id"] = V - 60
+    c["eos_token_id"] = [V - 60, V - 53, V - 51]
+    return c
+
+
+PRESETS = {"tiny": _tiny_config, "micro": _micro_config, "glm5-6l": _glm5_6l_config,
+           "glm5-6l-tp8": _glm5_6l_tp8_config}
+CONFIG_ONLY_PRESETS = ("glm5-6l", "glm5-6l-tp8")
 
 # Init gains. Every Linear weight is N(0, (gain / sqrt(fan_in))^2), so with unit-RMS inputs its
 # outputs have RMS ~ gain; on top of that make_weights plants a sparse structure (salient tokens).
@@ -616,7 +658,7 @@ def write_model(out: pathlib.Path, preset: str = "tiny", seed: int = 0,
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     info: dict[str, Any] = {"preset": preset, "seed": seed, "overrides": overrides or {},
                             "gains": {**GAINS, **(gains or {})}, "config": cfg}
-    if preset == "glm5-6l":
+    if preset in CONFIG_ONLY_PRESETS:
         info["weights"] = None
         info["note"] = "config only: serve with load_format='dummy' and skip_tokenizer_init"
     else:
@@ -659,7 +701,7 @@ def model_is_current(out: pathlib.Path, preset: str, seed: int,
         return False
     if info.get("gains") != {**GAINS, **(gains or {})}:
         return False
-    if preset != "glm5-6l":
+    if preset not in CONFIG_ONLY_PRESETS:
         w = info.get("weights") or {}
         f = pathlib.Path(out) / "model.safetensors"
         if not f.exists() or f.stat().st_size != w.get("bytes"):
@@ -863,7 +905,7 @@ def main(argv=None) -> int:
         write_model(a.out, a.preset, a.seed, overrides, gains)
     rc = 0
     if a.check_hf:
-        if a.preset == "glm5-6l":
+        if a.preset in CONFIG_ONLY_PRESETS:
             raise SystemExit("--check-hf needs weights (preset tiny or micro)")
         rope = check_hf_rope_interleave()
         print("[e2e_model] HF RoPE:", json.dumps(rope))

@@ -1,0 +1,1 @@
+"""fake (e2e/tests/fake_vllm)"""
