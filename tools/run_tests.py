@@ -164,7 +164,7 @@ def main() -> int:
             run([str(tool_py), "tools/apply.py", "check"], env=clean_env())
 
         ok = step("3. tools/apply.py check (every pin)", s3) and ok
-        for v in sorted(table):
+        for v in sorted(table, key=lambda v: tuple(int(x) for x in v.split("."))):
             if not (ok or args.keep_going):
                 break
 

@@ -213,3 +213,48 @@ def test_rows_with_no_selected_token_give_zeros_and_minus_inf(vllm_module):
 def test_impl_rejects_unsupported_cache_dtype(vllm_module):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _make_impl("fp8_e5m2", 4, torch.zeros(1, TOPK, dtype=torch.int32))
+
+
+def test_base_forward_reads_the_topk_from_topk_start(vllm_module):
+    """(0.34.0) ShardQ's narrowed metadata points the shared base's forward_mqa at row
+    `topk_start` of the top-k buffer (the indexer wrote those tokens' top-k after the decodes);
+    the base converts from there and calls our kernel step. Rows before it must not be read."""
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseMetadata
+
+    if "topk_start" not in getattr(TritonMLASparseMetadata, "__dataclass_fields__", {}):
+        pytest.skip("this pin's sparse MLA metadata has no topk_start (no ShardQ)")
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, H, OFF, ctx = 3, 4, 5, 100
+    topk_buffer = torch.full((OFF + T + 2, TOPK), 10**6, dtype=torch.int32)  # poison: out of range
+    block_table = torch.tensor([[1, 0]], dtype=torch.int32)
+    for t in range(T):
+        row = torch.full((TOPK,), -1, dtype=torch.int32)
+        pos = torch.randperm(ctx, generator=g)[:40].to(torch.int32)
+        row[:40] = pos
+        topk_buffer[OFF + t] = row
+    impl = _make_impl("fp8_ds_mla", H, topk_buffer)
+    kv_cache = _cache("fp8_ds_mla", 2)
+    slots = torch.tensor(
+        [int(block_table[0, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx)],
+        dtype=torch.int64,
+    )
+    impl.do_kv_cache_update(
+        torch.randn(ctx, LATENT, generator=g).half(), torch.randn(ctx, 1, ROPE, generator=g).half(),
+        kv_cache, slots, "fp8_ds_mla", torch.ones(1),
+    )
+    impl.need_to_return_lse_for_decode = True
+    q = torch.randn(T, H, LATENT + ROPE, generator=g).half()
+    layer = types.SimpleNamespace(_k_scale=torch.ones(1), _k_scale_float=1.0)
+    req_id = torch.zeros(T, dtype=torch.int32)
+    md = TritonMLASparseMetadata(
+        num_reqs=1, max_query_len=T, max_seq_len=ctx, num_actual_tokens=T,
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+        slot_mapping=torch.zeros(T, dtype=torch.int64), num_decodes=0, num_decode_tokens=0,
+        num_prefills=1, block_table=block_table, req_id_per_token=req_id,
+        block_size=BLOCK_SIZE, topk_tokens=TOPK, topk_start=OFF,
+    )
+    out, lse = impl.forward_mqa(q, kv_cache, md, layer)
+    want_out, want_lse = _forward(impl, q, kv_cache, topk_buffer[OFF:OFF + T], block_table, req_id, layer)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()

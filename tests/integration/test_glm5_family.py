@@ -232,7 +232,8 @@ def test_glm5_router_logits_match_hf_fp32_router(
 # --------------------------------------------------------------------------- IndexCache
 
 
-def _build_attention_layers(modules, model_config, topk_buffer, layer_ids, monkeypatch):
+def _build_attention_layers(modules, model_config, topk_buffer, layer_ids, monkeypatch,
+                            cache_dtype="auto", vllm_configs=None, **attention_config):
     """Build each layer's attention as vLLM's CUDA GLM-5 model class does, all given the one
     top-k buffer (and, 0.33.0, the one index-group builder) the model hands its layers."""
     import vllm.utils.flashinfer as fi
@@ -242,9 +243,11 @@ def _build_attention_layers(modules, model_config, topk_buffer, layer_ids, monke
     monkeypatch.setattr(fi, "has_flashinfer_sparse_mla_sm120", lambda: False)
     vllm_config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(cache_dtype="auto"),
-        attention_config=AttentionConfig(backend=BACKEND),
+        cache_config=CacheConfig(cache_dtype=cache_dtype),
+        attention_config=AttentionConfig(backend=BACKEND, **attention_config),
     )
+    if vllm_configs is not None:
+        vllm_configs.append(vllm_config)
     hf = model_config.hf_config
     layers = {}
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
@@ -355,3 +358,52 @@ def test_skip_layers_read_the_indexer_layers_topk_buffer(
         assert _impl(mtp).index_group_index == 0 and mtp.skip_topk is False
     else:
         assert mtp.mla_attn.skip_topk is False
+
+
+# --------------------------------------------------------------------------- 0.34.0 knobs
+
+
+@pytest.mark.parametrize("asked", ["auto", "float32", "bfloat16"])
+def test_triton_indexer_ranks_fp32_logits_whatever_indexer_logits_dtype_asks(
+    asked, glm5_model_config, model_modules, single_rank, simulated_cuda, monkeypatch
+):
+    """(0.34.0) `indexer_logits_dtype` picks the dtype of DeepGEMM's MQA logits; the Triton
+    indexer's logits are fp32, so the layer hands the op logits_dtype=float32 (memory profile,
+    top-k and DCP merge then describe what the kernels write) and warns when bfloat16 was asked."""
+    from vllm.config import AttentionConfig
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+
+    if "indexer_logits_dtype" not in AttentionConfig.__dataclass_fields__:
+        pytest.skip("this pin has no indexer_logits_dtype")
+    simulated_cuda(12, 0)
+    warned = []
+    monkeypatch.setattr(sai.logger, "warning_once", lambda msg, *a, **k: warned.append(msg % a))
+    buf = torch.empty(16, glm5_model_config.hf_text_config.index_topk, dtype=torch.int32)
+    (layer,) = _build_attention_layers(
+        model_modules, glm5_model_config, buf, [0], monkeypatch, indexer_logits_dtype=asked
+    ).values()
+    op = layer.indexer.indexer_op
+    assert op.use_triton_indexer is True
+    assert op.logits_dtype == torch.float32
+    assert [w for w in warned if "indexer_logits_dtype" in w] == (
+        ["indexer_logits_dtype=bfloat16 applies to DeepGEMM's indexer only; the Triton DSA "
+         "indexer computes and ranks FP32 logits."] if asked == "bfloat16" else []
+    )
+
+
+def test_fp8_ds_mla_kv_spec_has_our_row_width(
+    glm5_model_config, model_modules, single_rank, simulated_cuda, monkeypatch
+):
+    """The KV cache spec of a TRITON_MLA_SPARSE layer on fp8_ds_mla holds 656-byte token rows,
+    our kernels' layout (0.34.0 asks the impl for it; earlier releases assume it)."""
+    simulated_cuda(12, 0)
+    buf = torch.empty(16, glm5_model_config.hf_text_config.index_topk, dtype=torch.int32)
+    configs = []
+    (layer,) = _build_attention_layers(
+        model_modules, glm5_model_config, buf, [0], monkeypatch, cache_dtype="fp8_ds_mla",
+        vllm_configs=configs,
+    ).values()
+    mla = layer if hasattr(layer, "get_kv_cache_spec") else layer.mla_attn.mla_attn
+    spec = mla.get_kv_cache_spec(configs[0])
+    assert spec.page_size_bytes % spec.block_size == 0
+    assert spec.page_size_bytes // spec.block_size == 656, spec

@@ -72,9 +72,23 @@ def _keywords_of_this_pin(fn):
     return {k: v for k, v in extra.items() if k in params}
 
 
-@pytest.mark.parametrize("topk", [64])
-def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monkeypatch, topk):
+@pytest.mark.parametrize("topk,sub_rows", [(64, None), (64, 16)])
+def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monkeypatch, topk, sub_rows):
+    """sub_rows: (0.34.0) the op splits a prefill chunk's rows into dense_logits_rows-sized
+    sub-chunks under the logits budget; the Triton branch scores each on its own row slice,
+    sized by the full gathered K width (its logits are uncompressed)."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
+
+    widths = []
+    if sub_rows is not None:
+        if not hasattr(sai, "dense_logits_rows"):
+            pytest.skip("this pin's op scores a prefill chunk in one call (no row sub-chunks)")
+
+        def dense_logits_rows(width, *a, **kw):
+            widths.append(width)
+            return sub_rows
+
+        monkeypatch.setattr(sai, "dense_logits_rows", dense_logits_rows)
     from vllm.v1.attention.backends.mla.indexer import (
         DeepseekV32IndexerMetadata,
         DeepseekV32IndexerPrefillChunkMetadata,
@@ -169,7 +183,8 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         orig = getattr(triton_dsa_indexer, name)
 
         def spy(*a, _orig=orig, _name=name, **kw):
-            calls.append((_name, kw.get("clean_logits", True)))
+            rows = a[0].shape[0] if _name == "fp8_mqa_logits" else None  # prefill rows scored
+            calls.append((_name, kw.get("clean_logits", True), rows))
             return _orig(*a, **kw)
 
         monkeypatch.setattr(sai.triton_dsa_indexer, name, spy)
@@ -214,9 +229,16 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         ref = _reference_logits(q[t].float(), weights[t], k_deq[r], 0, p + 1)
         _check_topk(buffer[t], ref, topk)
     assert (buffer[T:] == -7).all(), "rows past the step's tokens must be left alone"
-    assert sorted(calls) == [("fp8_mqa_logits", False), ("fp8_paged_mqa_logits", False)], calls
+    prefill_rows = [pre_new] if sub_rows is None else [16, 16, 8]
+    assert sorted(calls) == sorted(
+        [("fp8_mqa_logits", False, n) for n in prefill_rows] + [("fp8_paged_mqa_logits", False, None)]
+    ), calls
+    if sub_rows is not None:
+        assert widths == [pre_ctx], widths  # the gathered K width of the chunk
     want = triton_dsa_topk.topk_workspace_bytes(topk, T, 4096)
-    assert sorted(n for n, _ in scratches) == ["top_k_per_row_decode", "top_k_per_row_prefill"]
+    assert sorted(n for n, _ in scratches) == sorted(
+        ["top_k_per_row_decode"] + ["top_k_per_row_prefill"] * len(prefill_rows)
+    )
     for name, scr in scratches:
         assert scr is not None and scr.dtype == torch.uint8 and scr.numel() == want, (name, scr)
 

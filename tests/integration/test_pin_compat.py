@@ -150,3 +150,50 @@ def test_deep_gemm_jit_entry_matches_the_vendored_deepgemm(compat):
     assert floors == {jit.min_nvcc}
     assert (b"DG_JIT_USE_NVRTC" in binary) == jit.nvrtc_switch
     assert (b"nvrtcCompileProgram" in binary) == jit.nvrtc_switch
+
+
+def test_shardq_opt_in_comes_from_the_entry(compat, backend):
+    """(0.34.0) ShardQ is opt-in per impl (`supports_shardq`, the base's default False); ours
+    takes its answer from the entry. The metadata then carries `topk_start`, which the base's
+    forward_mqa applies before our kernel step (test_backend_forward covers that path)."""
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+
+    impl = backend.TritonMLASparseImpl
+    assert impl.supports_shardq is compat.API.supports_shardq
+    has_shardq = hasattr(SparseMLACommonImpl, "supports_shardq")
+    assert has_shardq == (compat.API.marker is compat._base_converts_topk_shardq), (
+        "this vLLM's ShardQ support and the entry disagree"
+    )
+    if has_shardq:
+        assert SparseMLACommonImpl.supports_shardq is False  # opt-in: the base never assumes it
+        assert "topk_start" in backend.TritonMLASparseMetadata.__dataclass_fields__
+        assert "topk_start" in inspect.getsource(SparseMLACommonImpl.forward_mqa)
+        # the base decides use_shardq from the class flag; ours says False, so it stays off
+        assert "self.supports_shardq" in inspect.getsource(SparseMLACommonImpl.__init__)
+    else:
+        common = getattr(sparse_mla_attention, "SparseMLACommonMetadata", None)
+        assert "topk_start" not in getattr(common, "__dataclass_fields__", {})
+
+
+def test_fp8_ds_mla_row_width_comes_from_the_entry(compat, backend):
+    """The fp8_ds_mla row width: 0.34.0 asks the impl (`get_fp8_ds_mla_row_bytes`, for the KV
+    cache spec and the index group); earlier releases assume 656 B. Either way it must be our
+    kernels' row: what the impl answers, what get_kv_cache_shape allocates."""
+    from vllm.v1.attention import backend as vllm_backend
+    from vllm.v1.attention.ops import mla_kv_format
+
+    ours = mla_kv_format.kv_cache_row_bytes("fp8_ds_mla")
+    assert ours == 656
+    impl = backend.TritonMLASparseImpl
+    assert impl.get_fp8_ds_mla_row_bytes(object()) == ours
+    assert backend.TritonMLASparseBackend.get_kv_cache_shape(3, 64, 1, 576, "fp8_ds_mla") == (3, 64, ours)
+    hook = getattr(vllm_backend.MLAAttentionImpl, "get_fp8_ds_mla_row_bytes", None)
+    if compat.API.fp8_ds_mla_row_bytes_from_impl:
+        assert hook is not None, "the entry says the release asks the impl, but it has no hook"
+        from vllm.model_executor.layers.attention import mla_attention
+
+        spec_src = inspect.getsource(mla_attention.MLAAttention.get_kv_cache_spec)
+        assert "get_fp8_ds_mla_row_bytes" in spec_src
+    else:
+        assert hook is None, "this vLLM asks the impl for the fp8_ds_mla row width: the entry must say so"

@@ -68,7 +68,7 @@ def test_lock_errors(proj):
         assert msg in r.out, (msg, r.out)
 
 
-def test_real_lock_pins_both_releases():
+def test_real_lock_pins_every_release():
     from conftest import REPO
     from overlay_tool.pins import load_lock
 
@@ -77,3 +77,9 @@ def test_real_lock_pins_both_releases():
     assert (lock.pins["0.26.0"].torch, lock.pins["0.26.0"].triton) == ("2.11.0", "==3.6.0")
     assert (lock.pins["0.33.0"].torch, lock.pins["0.33.0"].triton) == ("2.14.0", "~=3.8.0")
     assert lock.pins["0.33.0"].wheel == "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert sorted(lock.pins) == ["0.26.0", "0.33.0", "0.34.0"]
+    # 0.34.0: Requires-Dist torch==2.14.0 (read from the wheel), whose own triton requirement pip
+    # reports as triton~=3.8.0; the sha256 is PyPI's for that file
+    assert (lock.pins["0.34.0"].torch, lock.pins["0.34.0"].triton) == ("2.14.0", "~=3.8.0")
+    assert lock.pins["0.34.0"].wheel == "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert lock.pins["0.34.0"].sha256 == "79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2"

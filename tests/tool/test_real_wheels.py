@@ -2,19 +2,22 @@
 
 One baseline repository per pin is made per session (`real_tree`), without the compiled files
 (patches never touch them); tools/run_tests.py builds, installs and verifies the full patched
-wheels of both pins after this suite.
+wheels of every pin after this suite.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 from conftest import REPO, TOOL
 
 pytestmark = pytest.mark.real_wheel
-PINS = ["0.26.0", "0.33.0"]
+# every pin of pins.lock, oldest first
+PINS = sorted(tomllib.loads((REPO / "pins.lock").read_text())["pins"],
+              key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
 @pytest.fixture(scope="session")

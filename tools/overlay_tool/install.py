@@ -18,10 +18,10 @@ MARKER = ".glm5-overlay-venv"
 # ...backends.mla.flashinfer_mla_sparse_sm120 from each pinned wheel installed with --no-deps next
 # to CPU torch (tools/run_tests.py and README "CI" say how). Used by `--deps minimal`.
 IMPORT_DEPS = [
-    # both pins
+    # every pin
     "numpy", "packaging", "regex", "psutil", "pyzmq", "urllib3", "transformers", "cbor2",
     "aiohttp", "requests", "openai-harmony", "openai", "einops",
-    # 0.33.0 adds
+    # 0.33.0 adds (0.34.0 needs nothing more: verify (b) passes with this list)
     "pillow", "pybase64", "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo",
     "prometheus_client", "xgrammar", "fastapi", "partial_json_parser", "llguidance",
 ]

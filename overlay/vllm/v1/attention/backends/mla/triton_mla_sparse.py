@@ -64,8 +64,8 @@ logger = init_logger(__name__)
 BACKEND_NAME = "TRITON_MLA_SPARSE"
 
 # What differs between the vLLM pins (top-k path, metadata class, fp8_ds_mla scale
-# format, KV spec hook, indexer scale format, DeepGEMM's JIT) is one entry per API generation in
-# triton_mla_sparse_compat.py; API is the entry for this tree.
+# format, KV spec hook, indexer scale format, DeepGEMM's JIT, ShardQ) is one entry per API
+# generation in triton_mla_sparse_compat.py; API is the entry for this tree.
 API = compat.API
 _DS_SCALE_FORMAT = API.ds_scale_format
 
@@ -112,7 +112,7 @@ class TritonMLASparseBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        # (0.33.0 calls this hook; 0.26.0 has none)
+        # (0.33.0+ call this hook; 0.26.0 has none)
         return API.customize_kv_spec(spec)
 
     @staticmethod
@@ -225,7 +225,7 @@ class TritonMLASparseImpl(
     API.topk_mixin, SparseMLACommonImpl[TritonMLASparseMetadata]
 ):
     # The top-k -> cache rows step (forward_mqa on 0.26.0, _forward_mqa_kernel on
-    # 0.33.0) comes from API.topk_mixin; both end in _run_kernel.
+    # 0.33.0+) comes from API.topk_mixin; both end in _run_kernel.
     #
     # Every token, prefill included, goes through the sparse top-k kernel.
     supports_dense_mha_prefill = False
@@ -233,6 +233,8 @@ class TritonMLASparseImpl(
     # merges across ranks.
     can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = True
+    # ShardQ, token-sharded TP prefill (0.34.0): see compat.SparseMLAApi.supports_shardq.
+    supports_shardq: ClassVar[bool] = API.supports_shardq
 
     def __init__(
         self,
@@ -286,6 +288,12 @@ class TritonMLASparseImpl(
         )
         # The kernel reads a bf16/fp16 query; it dequantizes the cache itself.
         self.supports_quant_query_input = False
+
+    def get_fp8_ds_mla_row_bytes(self) -> int:
+        # The width of one fp8_ds_mla token row in our kernels' layout (656 B), for
+        # the KV cache spec and the index group (0.34.0 asks; earlier releases
+        # assume 656).
+        return FP8_DS_MLA_BYTES_PER_TOKEN
 
     def do_kv_cache_update(
         self,

@@ -6,7 +6,6 @@ The backend (``triton_mla_sparse.py``) is written once; what depends on the
 release's shared sparse-MLA base classes is one field of ``SparseMLAApi``, and
 each API generation is one entry of ``GENERATIONS``:
 
-  ===================  =====================================  =====================================
   difference           0.26.0 ("impl-converts-topk")          0.33.0 ("base-converts-topk")
   ===================  =====================================  =====================================
   top-k -> cache rows  the impl's ``forward_mqa`` converts    ``SparseMLACommonImpl.forward_mqa``
@@ -27,8 +26,47 @@ each API generation is one entry of ``GENERATIONS``:
 (The scale facts were read from the release wheels' cache writers; the JIT facts
 from the wheels' ``vllm/third_party/deep_gemm``, see ``DeepGemmJit``; the other
 rows from their Python sources.) 0.33.0 also passes ``skip_scale`` to
+=======
+  ====================  =========================  =========================  =========================
+  difference            0.26.0                     0.33.0                     0.34.0
+                        "impl-converts-topk"       "base-converts-topk"       "base-converts-topk-shardq"
+  ====================  =========================  =========================  =========================
+  top-k -> cache rows   the impl's ``forward_mqa`` ``SparseMLACommonImpl.     as 0.33.0; the base reads
+                        converts the indexer's     forward_mqa`` converts it  the top-k from row
+                        request-local top-k        (DCP, HiSparse) into rows  ``metadata.topk_start``
+                        (``ImplConvertsTopk``)     of a flat row view and     (ShardQ) before it calls
+                                                   calls the impl's           our step
+                                                   ``_forward_mqa_kernel``    (``BaseConvertsTopk``)
+                                                   (``BaseConvertsTopk``)
+  metadata class        a dataclass of our own     ``SparseMLACommonMetadata``  as 0.33.0 (+ ``shardq``,
+                                                                              ``topk_start``)
+  fp8_ds_mla scales     amax / 448                 powers of two              powers of two
+                        (``arbitrary_fp32``)       (``pow2_fp32``)            (``pow2_fp32``)
+  KV cache spec hook    none (never called)        ``customize_spec``:        as 0.33.0
+                                                   blocks a whole number of
+                                                   flat rows apart
+  indexer K scales      fp32 on every device       MX (UE8M0 x4) on SM100,    as 0.33.0
+                                                   per ``deep_gemm.mqa_
+                                                   logits_use_mx_scales``
+  ShardQ (token-        none                       none                       opt-in per impl
+  sharded TP prefill)                                                         (``supports_shardq``);
+                                                                              we stay out
+  fp8_ds_mla row width  656 assumed                656 assumed                asked from the impl
+                                                                              (``get_fp8_ds_mla_
+                                                                              row_bytes``)
+  DeepGEMM's JIT        vendored DeepGEMM 2.5.0:   vendored DeepGEMM 2.8.1:   as 0.33.0 (2.8.1)
+                        nvcc >= 12.3 (or NVRTC     nvcc >= 12.9 only (no
+                        with ``DG_JIT_USE_NVRTC``) NVRTC compiler in it)
+  ====================  =========================  =========================  =========================
+
+(The scale facts were read from the release wheels' cache writers: 0.34.0's
+sm_90 ``concat_and_cache_ds_mla_kernel`` computes the same power-of-two scale
+as 0.33.0's and only gains a flag for the rope words; the JIT facts from the
+wheels' ``vllm/third_party/deep_gemm``, see ``DeepGemmJit``; the other rows from
+their Python sources.) 0.33.0 and later also pass ``skip_scale`` to
 ``do_kv_cache_update``; the backend's signature takes it with a default, so
-that needs no entry.
+that needs no entry. The impl answers ``get_fp8_ds_mla_row_bytes`` with its
+kernels' row size on every release (only 0.34.0 asks).
 
 Adding a pin: if its base classes match an existing entry (the entry's
 ``marker`` holds on it and every field still describes it), add its version to
@@ -48,7 +86,7 @@ import torch
 from vllm.model_executor.layers.attention import sparse_mla_attention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
 from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
-from vllm.v1.attention.backend import AttentionLayer, AttentionMetadata
+from vllm.v1.attention.backend import AttentionLayer, AttentionMetadata, MLAAttentionImpl
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec
@@ -103,8 +141,9 @@ class ImplConvertsTopk:
 
 
 class BaseConvertsTopk:
-    """0.33.0: SparseMLACommonImpl.forward_mqa converts the top-k (incl. DCP and
-    HiSparse) into rows of flat_kv_row_view(kv_cache) and calls this."""
+    """0.33.0+: SparseMLACommonImpl.forward_mqa converts the top-k (incl. DCP and
+    HiSparse; from row ``topk_start`` of the buffer on 0.34.0) into rows of
+    flat_kv_row_view(kv_cache) and calls this."""
 
     def _forward_mqa_kernel(
         self,
@@ -164,7 +203,8 @@ def _own_metadata() -> type:
 
 
 def _common_metadata() -> type:
-    """0.33.0: the shared sparse-MLA metadata carries everything the kernel needs."""
+    """0.33.0+: the shared sparse-MLA metadata carries everything the kernel needs
+    (0.34.0 adds ``shardq`` and ``topk_start``, read by the base's forward_mqa)."""
     base = sparse_mla_attention.SparseMLACommonMetadata
 
     class TritonMLASparseMetadata(base):  # type: ignore[misc,valid-type]
@@ -226,10 +266,30 @@ class DeepGemmJit:
     nvrtc_switch: bool
 
 
-def _base_converts_topk() -> bool:
+def _base_converts_any() -> bool:
     return hasattr(SparseMLACommonImpl, "_forward_mqa_kernel") and hasattr(
         sparse_mla_attention, "SparseMLACommonMetadata"
     )
+
+
+def _has_shardq_and_row_hook() -> bool:
+    """0.34.0: ShardQ (``supports_shardq``, ``topk_start``) and the impl's
+    fp8_ds_mla row-width hook, all three."""
+    metadata = getattr(sparse_mla_attention, "SparseMLACommonMetadata", None)
+    fields = getattr(metadata, "__dataclass_fields__", {})
+    return (
+        hasattr(SparseMLACommonImpl, "supports_shardq")
+        and "topk_start" in fields
+        and hasattr(MLAAttentionImpl, "get_fp8_ds_mla_row_bytes")
+    )
+
+
+def _base_converts_topk() -> bool:
+    return _base_converts_any() and not _has_shardq_and_row_hook()
+
+
+def _base_converts_topk_shardq() -> bool:
+    return _base_converts_any() and _has_shardq_and_row_hook()
 
 
 def _impl_converts_topk() -> bool:
@@ -262,6 +322,14 @@ class SparseMLAApi:
     indexer_cache_uses_mx_scales: Callable[[], bool]
     # how the vendored DeepGEMM JIT-compiles (what use_triton_dsa_indexer probes for)
     deep_gemm_jit: DeepGemmJit
+    # TritonMLASparseImpl.supports_shardq: whether the base may shard this backend's prefill
+    # by token across TP ranks (ShardQ, 0.34.0). Our kernel would take ShardQ's narrowed
+    # metadata like any other (the base applies topk_start), but it has not run under TP > 1
+    # ShardQ; until it has, prefill stays head-sharded (the base's default, False).
+    supports_shardq: bool
+    # whether the release asks the impl for the fp8_ds_mla row width
+    # (MLAAttentionImpl.get_fp8_ds_mla_row_bytes, 0.34.0) instead of assuming 656 bytes
+    fp8_ds_mla_row_bytes_from_impl: bool
 
 
 GENERATIONS: tuple[SparseMLAApi, ...] = (
@@ -275,6 +343,8 @@ GENERATIONS: tuple[SparseMLAApi, ...] = (
         customize_kv_spec=_spec_unchanged,
         indexer_cache_uses_mx_scales=_indexer_scales_fp32,
         deep_gemm_jit=DeepGemmJit(version="2.5.0", min_nvcc=(12, 3), nvrtc_switch=True),
+        supports_shardq=False,
+        fp8_ds_mla_row_bytes_from_impl=False,
     ),
     SparseMLAApi(
         name="base-converts-topk",
@@ -286,6 +356,21 @@ GENERATIONS: tuple[SparseMLAApi, ...] = (
         customize_kv_spec=_spec_blocks_whole_rows_apart,
         indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
         deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
+        supports_shardq=False,
+        fp8_ds_mla_row_bytes_from_impl=False,
+    ),
+    SparseMLAApi(
+        name="base-converts-topk-shardq",
+        pins=("0.34.0",),
+        marker=_base_converts_topk_shardq,
+        topk_mixin=BaseConvertsTopk,
+        make_metadata_cls=_common_metadata,
+        ds_scale_format="pow2_fp32",
+        customize_kv_spec=_spec_blocks_whole_rows_apart,
+        indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
+        deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
+        supports_shardq=False,
+        fp8_ds_mla_row_bytes_from_impl=True,
     ),
 )
 
