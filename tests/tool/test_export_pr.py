@@ -84,3 +84,21 @@ def test_export_pr_names_a_concern_that_depends_on_another(tmp_path):
     p.run("refresh", check_rc=0)
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--signoff", "A <a@b.c>", check_rc=6)
     assert "concern b: its patches do not apply to v9.9.0 on their own" in r.out
+
+
+def test_export_pr_defaults_to_the_newest_pin(tmp_path):
+    # "10.0.0" sorts before "9.9.0" as a string: the newest is picked by version order, and not the
+    # lock's default (9.9.0): upstream PRs go against vLLM's main
+    p = make_project(tmp_path, versions=("9.9.0", "10.0.0"))
+    (p.root / "kernels" / "triton_k.py").write_text("K = 1\n")
+    (p.root / "overlay" / "CONCERNS.toml").write_text(CONCERNS.split("[concern.docs]")[0])
+    r = p.run("export-pr", "--signoff", "A <a@b.c>", check_rc=0)
+    assert "export-pr: vLLM 10.0.0, the newest pin" in r.out
+    assert (p.root / "work" / "10.0.0" / "export-pr" / "triton-k" / "PR.md").is_file()
+    assert "against vLLM v10.0.0" in (p.root / "work" / "10.0.0" / "export-pr" / "triton-k" / "PR.md").read_text()
+    assert not (p.root / "work" / "9.9.0").exists()
+    r = p.run("--vllm", "9.9.0", "export-pr", "--signoff", "A <a@b.c>", check_rc=0)
+    assert "newest pin" not in r.out
+    assert (p.root / "work" / "9.9.0" / "export-pr" / "triton-k" / "PR.md").is_file()
+    h = p.run("export-pr", "--help", check_rc=0).out
+    assert "newest" in h and "pin in pins.lock" in h
