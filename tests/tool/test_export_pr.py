@@ -107,6 +107,7 @@ def test_export_pr_defaults_to_the_newest_pin(tmp_path):
 CARRIED = '''
 [concern.triton-k.tests]
 "tests/kernels/test_k.py" = "tests/kernels/attention/test_triton_k.py"
+"tests/kernels/test_k_bare.py" = "tests/kernels/attention/test_triton_k_bare.py"
 
 [concern.triton-k.not_carried]
 "tests/kernels/test_k_interp.py" = "imports the project's tests/triton_interpreter.py"
@@ -138,6 +139,29 @@ def test_k(seed):
 '''
 
 
+K_BARE = '''# SPDX-License-Identifier: Apache-2.0
+import pytest
+import torch
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "kernels"))
+from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET  # noqa: E402
+DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
+
+import triton_k as T  # noqa: E402
+
+gpu = pytest.mark.gpu
+
+
+def test_k_bare():
+    assert T.K == 1
+'''
+
+
 def _project_with_tests(tmp_path):
     import json
 
@@ -146,6 +170,7 @@ def _project_with_tests(tmp_path):
     (p.root / "tests" / "kernels" / "conftest.py").write_text(
         "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n")
     (p.root / "tests" / "kernels" / "test_k.py").write_text(K_TEST)
+    (p.root / "tests" / "kernels" / "test_k_bare.py").write_text(K_BARE)
     res = p.root / "bench" / "results"
     res.mkdir(parents=True)
     (res / "k_tests.json").write_text(json.dumps({
@@ -174,9 +199,16 @@ def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
     assert '+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")' in t
     assert "+def seed(request) -> int:" in t  # the project's fixture, carried along
     assert "+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project" in t
-    # the series applies: the test file lands where vLLM keeps kernel tests
+    # the project's sys.path set-up, interpreter module and bare kernel imports, in vLLM's terms
+    assert "+++ b/tests/kernels/attention/test_triton_k_bare.py" in t
+    assert "+import vllm.v1.attention.ops.triton_k as T  # noqa: E402\n" in t
+    assert "+HAS_CUDA = torch.cuda.is_available()\n" in t
+    assert '+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n' in t
+    assert '+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")\n' in t
+    assert "sys.path" not in t and "_ROOT" not in t and "import sys" not in t and "tests.triton_interpreter" not in t
     pr = (out / "triton-k" / "PR.md").read_text()
-    assert "pytest -v tests/kernels/attention/test_triton_k.py" in pr
+    assert "pytest -v tests/kernels/attention/test_triton_k.py tests/kernels/attention/test_triton_k_bare.py" in pr
+    assert "- new test `tests/kernels/attention/test_triton_k.py` (the project's `tests/kernels/test_k.py`)" in pr
     assert "- `tests/kernels/test_k_interp.py`: imports the project's tests/triton_interpreter.py" in pr
 
 
@@ -199,10 +231,13 @@ def test_export_pr_test_plan_reads_the_results_files(tmp_path):
 def test_export_pr_refuses_a_test_that_cannot_run_in_vllm(tmp_path):
     p = _project_with_tests(tmp_path)
     f = p.root / "tests" / "kernels" / "test_k.py"
-    f.write_text(f.read_text().replace("import torch\n", "import torch\nfrom tests.triton_interpreter import INTERPRET\n"))
+    f.write_text(f.read_text().replace("import torch\n", "import torch\nfrom tests.kernels import vllm_peers\n"))
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
     assert "test tests/kernels/test_k.py -> tests/kernels/attention/test_triton_k.py cannot run inside vLLM's tree" in r.out
-    assert "from tests.triton_interpreter import INTERPRET" in r.out
+    assert "'from tests.kernels import vllm_peers' is a project module" in r.out
+    f.write_text(K_TEST.replace("def test_k(seed):", "def test_k(seed):\n    open(ROOT / \"kernels\" / \"triton_k.py\")"))
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
+    assert "names a path of the project's checkout" in r.out
     f.write_text(K_TEST.replace("def test_k(seed)", "def test_k(seed, gpu_peer)"))
     (p.root / "tests" / "kernels" / "conftest.py").write_text(
         "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n\n\n@pytest.fixture\ndef gpu_peer():\n    return 2\n")

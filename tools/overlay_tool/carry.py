@@ -37,6 +37,16 @@ def interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 ''',
 }
+# Names of the project's tests/triton_interpreter.py a carried test may import, and what they are in
+# vLLM's tree (no interpreter set-up there: compiled kernels on the GPU unless TRITON_INTERPRET=1).
+CARRIED_INTERPRETER = {
+    "_HAS_CUDA": "torch.cuda.is_available()",
+    "INTERPRET": 'os.environ.get("TRITON_INTERPRET") == "1"',
+}
+# The project's sys.path set-up for kernels/ (dropped: in vLLM's tree the kernels are vLLM modules)
+SYS_PATH_LINES = re.compile(
+    r'(?m)^_ROOT = os\.path\.dirname\(os\.path\.dirname\(os\.path\.dirname\(os\.path\.abspath\(__file__\)\)\)\)\n'
+    r'|^sys\.path\.insert\(0, (_ROOT|os\.path\.join\(_ROOT, "kernels"\))\)\n')
 GPU_MARK = '@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")'
 SPDX_VLLM = "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project"
 
@@ -105,13 +115,37 @@ def carry_test(root: Path, src: str, dest: str, all_modules: dict[str, str], own
             return m.group(0)
         return f"{m.group(1)}from {pkgs.pop()} import {', '.join(names)}"
 
-    text = re.sub(r"(?m)^(\s*)from (kernels\.[\w.]+) import", sub_from, text)
-    text = re.sub(r"(?m)^(\s*)import (kernels\.[\w.]+)( as \w+)?$", sub_import, text)
-    text = re.sub(r"(?m)^(\s*)from kernels import (\([^)]*\)|[^\n]+)$", sub_pkg, text)
-    text = re.sub(r"(?m)^(\s*)@pytest\.mark\.gpu\b", lambda m: m.group(1) + GPU_MARK, text)
+    text = re.sub(r"(?m)^([ \t]*)from (kernels\.[\w.]+) import", sub_from, text)
+    text = re.sub(r"(?m)^([ \t]*)import (kernels\.[\w.]+)( as \w+)?$", sub_import, text)
+    text = re.sub(r"(?m)^([ \t]*)from kernels import (\([^)]*\)|[^\n]+)$", sub_pkg, text)
+    text = re.sub(r"\bpytest\.mark\.gpu\b", GPU_MARK[1:], text)
+    stem_mod = {m.rsplit(".", 1)[-1]: m for m in all_modules}
+
+    def sub_bare(m: re.Match) -> str:  # import triton_x as X (kernels/ on the project's sys.path)
+        if m.group(2) not in stem_mod:
+            return m.group(0)
+        return f"{m.group(1)}import {target(stem_mod[m.group(2)])}{m.group(3)}"
+
+    def sub_interp(m: re.Match) -> str:  # from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET
+        out = []
+        for n in [x.strip() for x in m.group(2).split(",")]:
+            name, _, alias = n.partition(" as ")
+            if name.strip() not in CARRIED_INTERPRETER:
+                return m.group(0)
+            out.append(f"{m.group(1)}{(alias or name).strip()} = {CARRIED_INTERPRETER[name.strip()]}")
+        if "os.environ" in "".join(out) and not re.search(r"(?m)^import os\b", text):
+            out.insert(0, f"{m.group(1)}import os")
+        return f"{m.group(1)}# (the GLM-5 overlay's tests/triton_interpreter.py, carried)\n" + "\n".join(out)
+
+    text = re.sub(r"(?m)^([ \t]*)import (\w+)( as \w+)?(?=[ \t]*(#.*)?$)", sub_bare, text)
+    text = re.sub(r"(?m)^([ \t]*)from tests\.triton_interpreter import ([\w ,]+?)[ \t]*(#.*)?$", sub_interp, text)
+    text = SYS_PATH_LINES.sub("", text)
+    if "sys." not in text:
+        text = re.sub(r"(?m)^import sys\b.*\n", "", text)
+
     for mod in sorted(used - own_modules):
         problems.append(f"imports {mod}, which is not in this concern's series")
-    stems = {m.rsplit(".", 1)[-1] for m in all_modules}
+    stems = set(stem_mod)
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if re.match(r"(from|import) (tests|kernels)\b", s):
@@ -136,7 +170,7 @@ def carry_test(root: Path, src: str, dest: str, all_modules: dict[str, str], own
         raise UsageError(f"overlay/CONCERNS.toml: test {src} -> {dest} cannot run inside vLLM's tree "
                          "(move it to not_carried with the reason):\n  " + "\n  ".join(problems))
     helpers = [CARRIED_FIXTURES[f] for f in sorted(from_conftest)]
-    if GPU_MARK in text or helpers:
+    if GPU_MARK[1:] in text or helpers or "torch.cuda.is_available()" in text:
         if not re.search(r"(?m)^import torch$", text):
             problems.append("needs 'import torch' for the carried GPU marker or fixtures")
         if helpers and not re.search(r"(?m)^import pytest$", text):
