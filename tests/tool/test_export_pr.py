@@ -84,3 +84,162 @@ def test_export_pr_names_a_concern_that_depends_on_another(tmp_path):
     p.run("refresh", check_rc=0)
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--signoff", "A <a@b.c>", check_rc=6)
     assert "concern b: its patches do not apply to v9.9.0 on their own" in r.out
+
+
+def test_export_pr_defaults_to_the_newest_pin(tmp_path):
+    # "10.0.0" sorts before "9.9.0" as a string: the newest is picked by version order, and not the
+    # lock's default (9.9.0): upstream PRs go against vLLM's main
+    p = make_project(tmp_path, versions=("9.9.0", "10.0.0"))
+    (p.root / "kernels" / "triton_k.py").write_text("K = 1\n")
+    (p.root / "overlay" / "CONCERNS.toml").write_text(CONCERNS.split("[concern.docs]")[0])
+    r = p.run("export-pr", "--signoff", "A <a@b.c>", check_rc=0)
+    assert "export-pr: vLLM 10.0.0, the newest pin" in r.out
+    assert (p.root / "work" / "10.0.0" / "export-pr" / "triton-k" / "PR.md").is_file()
+    assert "against vLLM v10.0.0" in (p.root / "work" / "10.0.0" / "export-pr" / "triton-k" / "PR.md").read_text()
+    assert not (p.root / "work" / "9.9.0").exists()
+    r = p.run("--vllm", "9.9.0", "export-pr", "--signoff", "A <a@b.c>", check_rc=0)
+    assert "newest pin" not in r.out
+    assert (p.root / "work" / "9.9.0" / "export-pr" / "triton-k" / "PR.md").is_file()
+    h = p.run("export-pr", "--help", check_rc=0).out
+    assert "newest" in h and "pin in pins.lock" in h
+
+
+CARRIED = '''
+[concern.triton-k.tests]
+"tests/kernels/test_k.py" = "tests/kernels/attention/test_triton_k.py"
+"tests/kernels/test_k_bare.py" = "tests/kernels/attention/test_triton_k_bare.py"
+
+[concern.triton-k.not_carried]
+"tests/kernels/test_k_interp.py" = "imports the project's tests/triton_interpreter.py"
+
+[[concern.triton-k.results]]
+file = "bench/results/k_tests.json"
+kind = "pytest"
+label = "kernel tests"
+
+[[concern.triton-k.results]]
+file = "bench/results/k_bench.json"
+kind = "records"
+where = { fmt = "fp8" }
+keys = ["fmt", "tokens"]
+values = ["ratio_vs_peer"]
+'''
+
+K_TEST = '''# SPDX-License-Identifier: Apache-2.0
+import pytest
+import torch
+
+from kernels import triton_k
+from kernels.triton_k import K
+
+
+@pytest.mark.gpu
+def test_k(seed):
+    assert K == triton_k.K == 1
+'''
+
+
+K_BARE = '''# SPDX-License-Identifier: Apache-2.0
+import pytest
+import torch
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "kernels"))
+from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET  # noqa: E402
+DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
+
+import triton_k as T  # noqa: E402
+
+gpu = pytest.mark.gpu
+
+
+def test_k_bare():
+    assert T.K == 1
+'''
+
+
+def _project_with_tests(tmp_path):
+    import json
+
+    p = _project(tmp_path)
+    (p.root / "overlay" / "CONCERNS.toml").write_text(CONCERNS + CARRIED)
+    (p.root / "tests" / "kernels" / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n")
+    (p.root / "tests" / "kernels" / "test_k.py").write_text(K_TEST)
+    (p.root / "tests" / "kernels" / "test_k_bare.py").write_text(K_BARE)
+    res = p.root / "bench" / "results"
+    res.mkdir(parents=True)
+    (res / "k_tests.json").write_text(json.dumps({
+        "commit": "abc1234", "command": "python3 e2e/gpu_tests.py", "environment": {"gpu": "Test GPU 9000"},
+        "modes": {"plain": {"counts": {"passed": 417, "failed": 0, "error": 0, "skipped": 3}}}}))
+    (res / "k_bench.json").write_text(json.dumps({"device": "Test GPU 9000", "command": "python bench/k.py", "records": [
+        {"fmt": "fp8", "tokens": 1, "ratio_vs_peer": 0.8125},
+        {"fmt": "fp8", "tokens": 64, "ratio_vs_peer": 1.375},
+        {"fmt": "bf16", "tokens": 1, "ratio_vs_peer": 9.5}]}))
+    return p
+
+
+def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
+    p = _project_with_tests(tmp_path)
+    out = tmp_path / "prs"
+    p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
+    k = sorted(x.name for x in (out / "triton-k").glob("*.patch"))
+    assert k == ["0001-Attention-Register-TRITON_K.patch", "0002-Kernel-Add-the-Triton-K-kernel.patch",
+                 "0003-Test-Add-the-Triton-K-kernel.patch"]
+    t = (out / "triton-k" / k[2]).read_text()
+    assert "Subject: [Test] Add the Triton K kernel" in t
+    assert "+++ b/tests/kernels/attention/test_triton_k.py" in t
+    assert "+from vllm.v1.attention.ops import triton_k\n" in t
+    assert "+from vllm.v1.attention.ops.triton_k import K\n" in t
+    assert "from kernels" not in t and "pytest.mark.gpu" not in t
+    assert '+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")' in t
+    assert "+def seed(request) -> int:" in t  # the project's fixture, carried along
+    assert "+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project" in t
+    # the project's sys.path set-up, interpreter module and bare kernel imports, in vLLM's terms
+    assert "+++ b/tests/kernels/attention/test_triton_k_bare.py" in t
+    assert "+import vllm.v1.attention.ops.triton_k as T  # noqa: E402\n" in t
+    assert "+HAS_CUDA = torch.cuda.is_available()\n" in t
+    assert '+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n' in t
+    assert '+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")\n' in t
+    assert "sys.path" not in t and "_ROOT" not in t and "import sys" not in t and "tests.triton_interpreter" not in t
+    pr = (out / "triton-k" / "PR.md").read_text()
+    assert "pytest -v tests/kernels/attention/test_triton_k.py tests/kernels/attention/test_triton_k_bare.py" in pr
+    assert "- new test `tests/kernels/attention/test_triton_k.py` (the project's `tests/kernels/test_k.py`)" in pr
+    assert "- `tests/kernels/test_k_interp.py`: imports the project's tests/triton_interpreter.py" in pr
+
+
+def test_export_pr_test_plan_reads_the_results_files(tmp_path):
+    p = _project_with_tests(tmp_path)
+    out = tmp_path / "prs"
+    p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
+    pr = (out / "triton-k" / "PR.md").read_text()
+    assert "## Test Plan" in pr and "## Test Result" in pr
+    assert "`plain`: 417 passed, 0 failed, 0 error, 3 skipped" in pr and "commit abc1234" in pr
+    assert "| fp8 | 1 | 0.81 |" in pr and "| fp8 | 64 | 1.38 |" in pr and "bf16" not in pr
+    assert "Test GPU 9000" in pr and "`bench/results/k_bench.json`" in pr
+    # numbers come from the file at export time
+    f = p.root / "bench" / "results" / "k_tests.json"
+    f.write_text(f.read_text().replace("417", "418"))
+    p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
+    assert "`plain`: 418 passed" in (out / "triton-k" / "PR.md").read_text()
+
+
+def test_export_pr_refuses_a_test_that_cannot_run_in_vllm(tmp_path):
+    p = _project_with_tests(tmp_path)
+    f = p.root / "tests" / "kernels" / "test_k.py"
+    f.write_text(f.read_text().replace("import torch\n", "import torch\nfrom tests.kernels import vllm_peers\n"))
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
+    assert "test tests/kernels/test_k.py -> tests/kernels/attention/test_triton_k.py cannot run inside vLLM's tree" in r.out
+    assert "'from tests.kernels import vllm_peers' is a project module" in r.out
+    f.write_text(K_TEST.replace("def test_k(seed):", "def test_k(seed):\n    open(ROOT / \"kernels\" / \"triton_k.py\")"))
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
+    assert "names a path of the project's checkout" in r.out
+    f.write_text(K_TEST.replace("def test_k(seed)", "def test_k(seed, gpu_peer)"))
+    (p.root / "tests" / "kernels" / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n\n\n@pytest.fixture\ndef gpu_peer():\n    return 2\n")
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
+    assert "uses the project's fixtures gpu_peer" in r.out

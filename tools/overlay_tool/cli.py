@@ -32,6 +32,7 @@ subcommands:
   recover    undo an interrupted apply now (what apply/build do first); --forget drops its record
   revert     put stock vLLM back into the venv;   uninstall: remove the patched vLLM from the venv
   export-pr  one format-patch series per concern for upstream, DCO signed-off, with PR.md
+             (default: the newest pin, not pins.lock's default: upstream PRs go against main)
   port       carry patches/OLD/series onto a new vLLM release (three-way merges; stops at a conflict for you;
              --continue / --skip / --abort), pinning the release in pins.lock if needed; then refresh + check
 
@@ -53,7 +54,8 @@ VERB_HELP = {
     "recover": "undo an interrupted apply in the tree now (refuses when the tree changed since), or --forget its record",
     "revert": "put stock vLLM of the pin back into the environment",
     "uninstall": "remove the patched vLLM from the environment",
-    "export-pr": "write one format-patch series + PR.md per concern for upstream, DCO signed-off",
+    "export-pr": "write one format-patch series + PR.md per concern for upstream, DCO signed-off, against the newest "
+                 "pin in pins.lock (upstream PRs go against vLLM's main; --vllm VERSION picks another pin)",
     "port": "carry patches/OLD/series onto vLLM NEW: commit each patch that applies (clean, at an offset, or by a "
             "three-way merge with its OLD base), stop at a conflict for you to resolve, then refresh + check NEW",
 }
@@ -83,7 +85,7 @@ def _common(p: argparse.ArgumentParser, suppress: bool, verb: str | None = None)
         if verb is None or verb in OPTION_VERBS[flag]:
             g.add_argument(flag, **kw)
 
-    add("--vllm", metavar="VERSION", default=d, help="the pin to use (default: pins.lock's default; check: every pin)")
+    add("--vllm", metavar="VERSION", default=d, help="the pin to use (default: pins.lock's default; check: every pin; export-pr: the newest pin)")
     add("--work", metavar="DIR", default=d, help="the tool's vLLM git tree (default: work/<version>/tree)")
     add("--checkout", metavar="PATH", default=d, help="use your own vLLM git checkout (clean, at tag v<version>) instead")
     add("--venv", metavar="DIR", default=d, help="environment to install into (default: .venv-vllm-<version>; 'current': this one)")
@@ -413,7 +415,11 @@ def run(ns: argparse.Namespace) -> int:
         from .port import cmd_port
 
         return cmd_port(ctx)
-    pin = ctx.pin
+    if verb == "export-pr" and not ctx.version:
+        pin = ctx.project.pin(ctx.project.lock.newest)  # upstream PRs go against vLLM's main: the newest pin
+        log(f"export-pr: vLLM {pin.version}, the newest pin (--vllm VERSION for another)")
+    else:
+        pin = ctx.pin
     if not ctx.dry_run:
         _clean_stale(ctx, pin)
     if verb in WRITES_TREE and not ctx.dry_run:  # a dry run writes nothing: no lock, no work/ folder

@@ -354,9 +354,17 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
                 if not TITLE_RE.match(title):
                     raise UsageError(f"overlay/CONCERNS.toml: [concern.{concern}] title must start with tags like [Kernel]: {title!r}")
                 parent = _files_commit(tree, parent, grp["files"], title, c.description if c else None, name, email, env)
+            carried = []
+            if c and c.tests:
+                from .carry import carry_test, module_map
+
+                mods = module_map(overlay)
+                own = set(module_map(grp["files"]))
+                carried = [(src, dest, carry_test(project.root, src, dest, mods, own)) for src, dest in c.tests]
+                parent = _tests_commit(tree, parent, carried, title or pset[0].header.subject, name, email, env)
             dest = out / concern
             if dry_run:
-                log(f"would write {dest}/ ({len(pset)} patch(es), {len(grp['files'])} file(s))")
+                log(f"would write {dest}/ ({len(pset)} patch(es), {len(grp['files'])} file(s), {len(carried)} test(s))")
                 continue
             if dest.exists():
                 shutil.rmtree(dest)
@@ -364,7 +372,7 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
             tree.g.run("format-patch", *FORMAT_PATCH_OPTS, "-o", str(dest), f"{tree.base}..{parent}")
             for f in sorted(dest.glob("*.patch")):
                 f.write_bytes(re.sub(rb"(?m)^Date: .*$", b"Date: " + FIXED_DATE.encode(), f.read_bytes(), count=1))
-            pr = _pr_body(concern, pset, grp["files"], title or pset[0].header.subject, c, pin)
+            pr = _pr_body(concern, pset, grp["files"], title or pset[0].header.subject, c, pin, carried, project.root)
             (dest / "PR.md").write_text(pr)
             written.append(dest)
             log(f"{concern}: wrote {dest}/ ({len(list(dest.glob('*.patch')))} patch(es) + PR.md)")
@@ -386,7 +394,23 @@ def _files_commit(tree: Tree, parent: str, files: list[OverlayFile], title, desc
     return tree.g.out("commit-tree", treeid, "-p", parent, "-F", "-", input=msg.encode(), env=env)
 
 
-def _pr_body(concern, patches, files, title, c, pin) -> str:
+def _tests_commit(tree: Tree, parent: str, carried, title: str, name, email, env) -> str:
+    """One commit adding the concern's tests at their vLLM paths (rewritten by carry.carry_test)."""
+    with owned_tempdir("glm5-index-") as td:
+        ienv = dict(env, GIT_INDEX_FILE=str(Path(td) / "index"))
+        tree.g.run("read-tree", parent, env=ienv)
+        for src, dest, data in carried:
+            blob = tree.g.out("hash-object", "-w", "--no-filters", "--stdin", input=data)
+            tree.g.run("update-index", "--add", "--cacheinfo", f"100644,{blob},{dest}", env=ienv)
+        treeid = tree.g.out("write-tree", env=ienv)
+    subject = "[Test] " + re.sub(r"^(\[[^\]]*\] *)+", "", title)
+    body = "The tests of the change above, in vLLM's layout (imports from vLLM's paths).\n\n"
+    body += "".join(f"- {dest}\n" for _, dest, _ in carried)
+    msg = f"{subject}\n\n{body}\nSigned-off-by: {name} <{email}>\n"
+    return tree.g.out("commit-tree", treeid, "-p", parent, "-F", "-", input=msg.encode(), env=env)
+
+
+def _pr_body(concern, patches, files, title, c, pin, carried=(), root: Path | None = None) -> str:
     L = [f"# {title}", "", "## Purpose", ""]
     for p in patches:
         L += [p.header.description, ""]
@@ -395,6 +419,7 @@ def _pr_body(concern, patches, files, title, c, pin) -> str:
     L += ["## Changes", ""]
     L += [f"- {p.header.subject}" for p in patches]
     L += [f"- new file `{f.dest}`" for f in files]
+    L += [f"- new test `{dest}` (the project's `{src}`)" for src, dest, _ in carried]
     refs = []
     for p in patches:
         for k in ("Origin", "Bug", "Bug-Upstream", "Applied-Upstream", "Forwarded"):
@@ -402,9 +427,23 @@ def _pr_body(concern, patches, files, title, c, pin) -> str:
     if refs:
         L += ["", "## References", ""] + refs
     L += ["", "## Test Plan", "",
-          f"Prepared against vLLM {pin.tag} by `tools/apply.py export-pr` (concern `{concern}`); "
-          f"the patched build passes `tools/apply.py` verification (tree, imports/registrations, kernel tests).", ""]
-    return "\n".join(L)
+          f"Prepared against vLLM {pin.tag} by `tools/apply.py export-pr` (concern `{concern}`)."]
+    if carried:
+        L += ["", "Run inside vLLM's tree (the kernel tests need a CUDA GPU for the compiled kernels):", "", "```bash"]
+        L += [f"pytest -v {' '.join(dest for _, dest, _ in carried)}", "```"]
+    if c and c.not_carried:
+        L += ["", "Not carried (tests of the overlay project that cannot run inside vLLM's tree as they are):", ""]
+        L += [f"- `{src}`: {why}" for src, why in c.not_carried]
+    L += ["", "## Test Result", ""]
+    if c and c.results and root is not None:
+        from .carry import results_section
+
+        L += ["Measured with the overlay project's harness (numbers read from its result files at export time):", ""]
+        L += results_section(root, c.results)
+    else:
+        L += ["The patched build passes `tools/apply.py` verification (tree, imports/registrations, kernel tests)."]
+    L += [""]
+    return "\n".join(L).replace("\n\n\n", "\n\n")
 
 
 def _git_identity(root: Path) -> str | None:

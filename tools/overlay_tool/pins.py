@@ -46,6 +46,11 @@ class Lock:
             raise PinError(f"vLLM {v} is not pinned in {self.path} (pinned: {known})")
         return self.pins[v]
 
+    @property
+    def newest(self) -> str:
+        """The newest pinned release by version order (export-pr's default: upstream PRs go against main)."""
+        return max(self.pins, key=Version)
+
 
 def load_lock(path: Path) -> Lock:
     try:

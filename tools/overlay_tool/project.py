@@ -258,6 +258,12 @@ class Concern:
     paths: tuple[str, ...]  # project-relative globs (overlay/vllm/..., kernels/...)
     title: str | None = None
     description: str | None = None
+    tests: tuple[tuple[str, str], ...] = ()  # (project test file, its path in vLLM's tree)
+    not_carried: tuple[tuple[str, str], ...] = ()  # (project test file, why it stays home)
+    results: tuple[dict, ...] = ()  # measured results PR.md quotes (see docs/CONVENTIONS.md)
+
+
+RESULT_KINDS = ("pytest", "records")
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,12 @@ def valid_concern_name(name: str) -> bool:
     return bool(re.fullmatch(r"[a-z0-9][a-z0-9-]*", name))
 
 
+def _str_table(where: str, t) -> tuple[tuple[str, str], ...]:
+    if not isinstance(t, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in t.items()):
+        raise UsageError(f"{where}: a table of \"path\" = \"string\" expected")
+    return tuple(t.items())
+
+
 def parse_concerns_toml(path: Path) -> ConcernsSpec:
     data = _load_toml(path)
     _check_keys(str(path), data, set(), {"concern"})
@@ -286,7 +298,7 @@ def parse_concerns_toml(path: Path) -> ConcernsSpec:
         where = f"{path}: [concern.{name}]"
         if not valid_concern_name(name):
             raise UsageError(f"{where}: concern names are lowercase words joined by '-'")
-        _check_keys(where, t, {"paths"}, {"title", "description"})
+        _check_keys(where, t, {"paths"}, {"title", "description", "tests", "not_carried", "results"})
         paths = t["paths"]
         if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
             raise UsageError(f"{where}: paths must be a non-empty list of strings")
@@ -296,5 +308,27 @@ def parse_concerns_toml(path: Path) -> ConcernsSpec:
         for k in ("title", "description"):
             if k in t and not isinstance(t[k], str):
                 raise UsageError(f"{where}: {k} must be a string")
-        concerns[name] = Concern(name, tuple(paths), t.get("title"), t.get("description"))
+        tests = _str_table(f"{where}.tests", t.get("tests", {}))
+        for src, dest in tests:
+            if not src.startswith("tests/") or not src.endswith(".py"):
+                raise UsageError(f"{where}.tests: {src!r} must be a project test file (tests/....py)")
+            if not dest.startswith("tests/") or not dest.rsplit("/", 1)[-1].startswith("test_") or not dest.endswith(".py"):
+                raise UsageError(f"{where}.tests: {src!r} -> {dest!r}: the vLLM path must be tests/.../test_*.py")
+        if len({d for _, d in tests}) != len(tests):
+            raise UsageError(f"{where}.tests: two files map to the same vLLM path")
+        not_carried = _str_table(f"{where}.not_carried", t.get("not_carried", {}))
+        both = {s for s, _ in tests} & {s for s, _ in not_carried}
+        if both:
+            raise UsageError(f"{where}: {sorted(both)} both in tests and not_carried")
+        results = t.get("results", [])
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise UsageError(f"{where}.results: [[concern.{name}.results]] tables expected")
+        for r in results:
+            _check_keys(f"{where}.results", r, {"file", "kind"}, {"label", "keys", "values", "where"})
+            if r["kind"] not in RESULT_KINDS:
+                raise UsageError(f"{where}.results: kind {r['kind']!r} is not one of {', '.join(RESULT_KINDS)}")
+            if r["kind"] == "records" and not (r.get("keys") and r.get("values")):
+                raise UsageError(f"{where}.results: kind 'records' needs keys and values (field names of its records)")
+        concerns[name] = Concern(name, tuple(paths), t.get("title"), t.get("description"),
+                                 tests, not_carried, tuple(results))
     return ConcernsSpec(path, concerns)
