@@ -78,7 +78,7 @@ marker holds, and that the backend took each field from that entry.
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -332,46 +332,46 @@ class SparseMLAApi:
     fp8_ds_mla_row_bytes_from_impl: bool
 
 
+_IMPL_CONVERTS_TOPK = SparseMLAApi(
+    name="impl-converts-topk",
+    pins=("0.26.0",),
+    marker=_impl_converts_topk,
+    topk_mixin=ImplConvertsTopk,
+    make_metadata_cls=_own_metadata,
+    ds_scale_format="arbitrary_fp32",
+    customize_kv_spec=_spec_unchanged,
+    indexer_cache_uses_mx_scales=_indexer_scales_fp32,
+    deep_gemm_jit=DeepGemmJit(version="2.5.0", min_nvcc=(12, 3), nvrtc_switch=True),
+    supports_shardq=False,
+    fp8_ds_mla_row_bytes_from_impl=False,
+)
+_BASE_CONVERTS_TOPK = SparseMLAApi(
+    name="base-converts-topk",
+    pins=("0.33.0",),
+    marker=_base_converts_topk,
+    topk_mixin=BaseConvertsTopk,
+    make_metadata_cls=_common_metadata,
+    ds_scale_format="pow2_fp32",
+    customize_kv_spec=_spec_blocks_whole_rows_apart,
+    indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
+    deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
+    supports_shardq=False,
+    fp8_ds_mla_row_bytes_from_impl=False,
+)
+# 0.34.0: 0.33.0's base plus ShardQ and the row-width hook (the table above); everything else
+# as 0.33.0, DeepGEMM 2.8.1 included.
+_BASE_CONVERTS_TOPK_SHARDQ = replace(
+    _BASE_CONVERTS_TOPK,
+    name="base-converts-topk-shardq",
+    pins=("0.34.0",),
+    marker=_base_converts_topk_shardq,
+    fp8_ds_mla_row_bytes_from_impl=True,
+)
+
 GENERATIONS: tuple[SparseMLAApi, ...] = (
-    SparseMLAApi(
-        name="impl-converts-topk",
-        pins=("0.26.0",),
-        marker=_impl_converts_topk,
-        topk_mixin=ImplConvertsTopk,
-        make_metadata_cls=_own_metadata,
-        ds_scale_format="arbitrary_fp32",
-        customize_kv_spec=_spec_unchanged,
-        indexer_cache_uses_mx_scales=_indexer_scales_fp32,
-        deep_gemm_jit=DeepGemmJit(version="2.5.0", min_nvcc=(12, 3), nvrtc_switch=True),
-        supports_shardq=False,
-        fp8_ds_mla_row_bytes_from_impl=False,
-    ),
-    SparseMLAApi(
-        name="base-converts-topk",
-        pins=("0.33.0",),
-        marker=_base_converts_topk,
-        topk_mixin=BaseConvertsTopk,
-        make_metadata_cls=_common_metadata,
-        ds_scale_format="pow2_fp32",
-        customize_kv_spec=_spec_blocks_whole_rows_apart,
-        indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
-        deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
-        supports_shardq=False,
-        fp8_ds_mla_row_bytes_from_impl=False,
-    ),
-    SparseMLAApi(
-        name="base-converts-topk-shardq",
-        pins=("0.34.0",),
-        marker=_base_converts_topk_shardq,
-        topk_mixin=BaseConvertsTopk,
-        make_metadata_cls=_common_metadata,
-        ds_scale_format="pow2_fp32",
-        customize_kv_spec=_spec_blocks_whole_rows_apart,
-        indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
-        deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
-        supports_shardq=False,
-        fp8_ds_mla_row_bytes_from_impl=True,
-    ),
+    _IMPL_CONVERTS_TOPK,
+    _BASE_CONVERTS_TOPK,
+    _BASE_CONVERTS_TOPK_SHARDQ,
 )
 
 
