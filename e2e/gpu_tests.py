@@ -170,14 +170,18 @@ def _nodeid(classname: str, name: str, file: str | None) -> str:
     return f"{classname}::{name}"
 
 
-def parse_junit(xml_text: str) -> dict:
-    """Counts, failing ids and skip reasons from pytest's --junitxml output."""
+def parse_junit(xml_text: str, detail_limit: int = 4000) -> dict:
+    """Counts, failing ids, each failure's text (assertion and traceback, its last
+    ``detail_limit`` characters) and skip reasons from pytest's --junitxml output."""
     root = ET.fromstring(xml_text)
     counts = dict.fromkeys(COUNT_KEYS, 0)
-    failed, errors, skip_reasons = [], [], {}
+    failed, errors, skip_reasons, details = [], [], {}, {}
     for case in root.iter("testcase"):
         nid = _nodeid(case.get("classname", ""), case.get("name", ""), case.get("file"))
         kids = {c.tag: c for c in case}
+        bad = kids.get("failure", kids.get("error"))
+        if bad is not None:
+            details[nid] = ((bad.get("message") or "") + "\n" + (bad.text or "")).strip()[-detail_limit:]
         if "failure" in kids:
             counts["failed"] += 1
             failed.append(nid)
@@ -194,7 +198,8 @@ def parse_junit(xml_text: str) -> dict:
                 skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
         else:
             counts["passed"] += 1
-    return {"counts": counts, "failed": failed, "errors": errors, "skip_reasons": skip_reasons}
+    return {"counts": counts, "failed": failed, "errors": errors, "skip_reasons": skip_reasons,
+            "failure_details": details}
 
 
 _VERBOSE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -216,19 +221,8 @@ def parse_verbose(text: str) -> dict:
             failed.append(nid)
         elif status == "error":
             errors.append(nid)
-    return {"counts": counts, "failed": failed, "errors": errors, "skip_reasons": {}}
-
-
-def _failure_details(xml_text: str, limit: int = 4000) -> dict:
-    """nodeid -> the failure's text (assertion and traceback, its last ``limit`` characters)."""
-    out = {}
-    for case in ET.fromstring(xml_text).iter("testcase"):
-        for kid in case:
-            if kid.tag in ("failure", "error"):
-                nid = _nodeid(case.get("classname", ""), case.get("name", ""), case.get("file"))
-                text = ((kid.get("message") or "") + "\n" + (kid.text or "")).strip()
-                out[nid] = text[-limit:]
-    return out
+    # a run cut off before its end has no failure texts (pytest prints them last)
+    return {"counts": counts, "failed": failed, "errors": errors, "skip_reasons": {}, "failure_details": {}}
 
 
 def _cut_off_in(text: str) -> str | None:
@@ -269,10 +263,8 @@ def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, lo
         text = out_path.read_text(errors="replace")
         if not timed_out and xml.exists():
             res = parse_junit(xml.read_text())
-            res["failure_details"] = _failure_details(xml.read_text())
         else:
             res = parse_verbose(text)
-            res["failure_details"] = {}
             res["cut_off_in"] = _cut_off_in(text)
     res.update(returncode=rc, timed_out=timed_out, seconds=seconds,
                summary=next((ln.strip("= ") for ln in reversed(text.splitlines())
@@ -524,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         # the GPU tests would all skip: that is not evidence
         doc["problems"] = ["no CUDA GPU visible to torch: the @gpu tests cannot run here"]
         log(doc["problems"][0])
-    jobs = a.jobs or max(1, min(4, (os.cpu_count() or 1) // 4))
-    if jobs < 1:
+    if a.jobs is not None and a.jobs < 1:
         ap.error("--jobs must be at least 1")
+    jobs = a.jobs or max(1, min(4, (os.cpu_count() or 1) // 4))
     log_dir = Path(a.logs) if a.logs else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
