@@ -28,6 +28,9 @@ This file imports only torch, triton and the standard library.
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +41,8 @@ __all__ = [
     "mla_kv_gather_dequant",
     "mla_kv_gather_dequant_reference",
     "dequantize_mla_kv_cache",
+    "write_config",
+    "WRITE_CONFIGS",
     "SM120_COMPILE_SPECS",
 ]
 
@@ -106,59 +111,38 @@ def _to_e4m3_bytes(y):
     return out.to(tl.uint8)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_slots", "block_size"])
-def _mla_kv_cache_write_kernel(
-    kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, kscale_ptr,
-    k_scale_f, num_tokens, num_slots, block_size,
-    stride_ct, stride_cd, stride_pt, stride_pd, stride_kb, stride_ks,
-    KV_FORMAT: tl.constexpr,
-    KSCALE_FROM_PTR: tl.constexpr,
-    POW2_SCALE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
+@triton.jit
+def _write_latent_group(src_c, stride_cd, cache_ptr, row, ok, g, ks,
+                        KV_FORMAT: tl.constexpr, POW2_SCALE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Latent columns [128 g, 128 g + 128) of BLOCK_T tokens (+ their fp8_ds_mla tile scale)."""
     GROUP: tl.constexpr = 128
-    ROPE: tl.constexpr = 64
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = offs_t < num_tokens
-    slot = tl.load(slot_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
-    ok = tmask & (slot >= 0) & (slot < num_slots)
-    slot = tl.where(ok, slot, 0)
-    blk = slot // block_size
-    row = blk * stride_kb + (slot - blk * block_size) * stride_ks  # [BLOCK_T] int64
-    src_c = kvc_ptr + offs_t.to(tl.int64)[:, None] * stride_ct
-    src_p = kpe_ptr + offs_t.to(tl.int64)[:, None] * stride_pt
-    offs_g = tl.arange(0, GROUP)
-    offs_r = tl.arange(0, ROPE)
-
-    if KV_FORMAT == 1:
-        if KSCALE_FROM_PTR:
-            ks = tl.load(kscale_ptr)
-        else:
-            ks = k_scale_f
-
-    for g in tl.static_range(4):
-        cols = g * GROUP + offs_g
-        x = tl.load(src_c + cols[None, :] * stride_cd, mask=ok[:, None], other=0.0)
-        dst = cache_ptr + row[:, None] + cols[None, :]
-        if KV_FORMAT == 2:
-            tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
-        else:
-            xf = x.to(tl.float32)
-            if KV_FORMAT == 0:
-                amax = tl.max(tl.abs(xf), axis=1)
-                s = tl.math.div_rn(amax, tl.full([BLOCK_T], 448.0, tl.float32))
-                if POW2_SCALE:
-                    s = _pow2_ceil(tl.maximum(s, 1.0e-4))
-                else:
-                    s = tl.maximum(s, 1.1754943508222875e-38)
-                y = tl.math.div_rn(xf, tl.broadcast_to(s[:, None], [BLOCK_T, GROUP]))
-                sp = (cache_ptr + row + (512 + 4 * g)).to(tl.pointer_type(tl.float32))
-                tl.store(sp, s, mask=ok)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(src_c + cols[None, :] * stride_cd, mask=ok[:, None], other=0.0)
+    dst = cache_ptr + row[:, None] + cols[None, :]
+    if KV_FORMAT == 2:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
+    else:
+        xf = x.to(tl.float32)
+        if KV_FORMAT == 0:
+            amax = tl.max(tl.abs(xf), axis=1)
+            s = tl.math.div_rn(amax, tl.full([BLOCK_T], 448.0, tl.float32))
+            if POW2_SCALE:
+                s = _pow2_ceil(tl.maximum(s, 1.0e-4))
             else:
-                y = tl.math.div_rn(xf, tl.full([BLOCK_T, GROUP], 1.0, tl.float32) * ks)
-            tl.store(dst, _to_e4m3_bytes(y), mask=ok[:, None])
+                s = tl.maximum(s, 1.1754943508222875e-38)
+            y = tl.math.div_rn(xf, tl.broadcast_to(s[:, None], [BLOCK_T, GROUP]))
+            sp = (cache_ptr + row + (512 + 4 * g)).to(tl.pointer_type(tl.float32))
+            tl.store(sp, s, mask=ok)
+        else:
+            y = tl.math.div_rn(xf, tl.full([BLOCK_T, GROUP], 1.0, tl.float32) * ks)
+        tl.store(dst, _to_e4m3_bytes(y), mask=ok[:, None])
 
+
+@triton.jit
+def _write_rope(src_p, stride_pd, kpe_ptr, cache_ptr, row, ok, ks,
+                KV_FORMAT: tl.constexpr, BLOCK_T: tl.constexpr):
+    ROPE: tl.constexpr = 64
+    offs_r = tl.arange(0, ROPE)
     pe = tl.load(src_p + offs_r[None, :] * stride_pd, mask=ok[:, None], other=0.0)
     if KV_FORMAT == 0:
         rp = (cache_ptr + row + 528).to(tl.pointer_type(kpe_ptr.dtype.element_ty))
@@ -169,6 +153,51 @@ def _mla_kv_cache_write_kernel(
     else:
         tl.store(cache_ptr + row[:, None] + (512 + offs_r)[None, :], pe.to(cache_ptr.dtype.element_ty),
                  mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_slots", "block_size"])
+def _mla_kv_cache_write_kernel(
+    kvc_ptr, kpe_ptr, cache_ptr, slot_ptr, kscale_ptr,
+    k_scale_f, num_tokens, num_slots, block_size,
+    stride_ct, stride_cd, stride_pt, stride_pd, stride_kb, stride_ks,
+    KV_FORMAT: tl.constexpr,
+    KSCALE_FROM_PTR: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """Program (i, p): tokens [i * BLOCK_T, (i + 1) * BLOCK_T). PARTS == 1: the program writes the
+    whole row (4 latent groups, then the rope part); PARTS == 5: only part p (group p < 4, rope
+    p == 4), so a decode batch of a few tokens spreads over 5x more programs: the write is a chain
+    of dependent latencies (slot -> row address -> load -> amax -> store), not bandwidth."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < num_tokens
+    slot = tl.load(slot_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0)
+    blk = slot // block_size
+    row = blk * stride_kb + (slot - blk * block_size) * stride_ks  # [BLOCK_T] int64
+    src_c = kvc_ptr + offs_t.to(tl.int64)[:, None] * stride_ct
+    src_p = kpe_ptr + offs_t.to(tl.int64)[:, None] * stride_pt
+
+    ks = 1.0
+    if KV_FORMAT == 1:
+        if KSCALE_FROM_PTR:
+            ks = tl.load(kscale_ptr)
+        else:
+            ks = k_scale_f
+
+    if PARTS == 1:
+        for g in tl.static_range(4):
+            _write_latent_group(src_c, stride_cd, cache_ptr, row, ok, g, ks, KV_FORMAT, POW2_SCALE, BLOCK_T)
+        _write_rope(src_p, stride_pd, kpe_ptr, cache_ptr, row, ok, ks, KV_FORMAT, BLOCK_T)
+    else:
+        part = tl.program_id(1)
+        if part < 4:
+            _write_latent_group(src_c, stride_cd, cache_ptr, row, ok, part, ks, KV_FORMAT, POW2_SCALE, BLOCK_T)
+        else:
+            _write_rope(src_p, stride_pd, kpe_ptr, cache_ptr, row, ok, ks, KV_FORMAT, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["max_tokens", "block_size"])
@@ -252,6 +281,26 @@ def _check_inputs(kv_c, k_pe, slot_mapping):
     return k_pe
 
 
+class WriteConfig(NamedTuple):
+    block_t: int  # tokens per program
+    parts: int  # 1: a program writes whole rows; 5: one of the 4 latent groups or the rope part
+    num_warps: int
+
+
+# "split": decode-sized batches, where the write is latency-bound (dependent loads and a reduction
+# per group): 5 programs per token. "rows": prefill-sized batches, 4 whole rows per program.
+WRITE_CONFIGS = {
+    "split": WriteConfig(block_t=1, parts=5, num_warps=1),
+    "rows": WriteConfig(block_t=4, parts=1, num_warps=4),
+}
+WRITE_SPLIT_MAX_TOKENS = 1024
+
+
+def write_config(num_tokens: int) -> WriteConfig:
+    """The cache-write launch configuration for ``num_tokens`` tokens."""
+    return WRITE_CONFIGS["split" if num_tokens <= WRITE_SPLIT_MAX_TOKENS else "rows"]
+
+
 def mla_kv_cache_write(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -262,6 +311,7 @@ def mla_kv_cache_write(
     *,
     ds_scale_format: str = "arbitrary_fp32",
     validate: bool = False,
+    config: str | None = None,
 ) -> None:
     """Quantize and store one latent + rope row per token into ``kv_cache`` (in place).
 
@@ -280,7 +330,10 @@ def mla_kv_cache_write(
         ds_scale_format: ``fp8_ds_mla`` only: ``"arbitrary_fp32"`` (vLLM 0.26.0's writer) or
             ``"pow2_fp32"`` (vLLM 0.33.0's writer); see the module docstring.
         validate: debug only (host sync): raise on slots >= num_blocks * block_size.
+        config: a key of ``WRITE_CONFIGS`` instead of ``write_config(N)``'s choice (tests, benchmarks).
     """
+    if config is not None and config not in WRITE_CONFIGS:
+        raise ValueError(f"config must be one of {sorted(WRITE_CONFIGS)}, got {config!r}")
     k_pe = _check_inputs(kv_c, k_pe, slot_mapping)
     fmt = _format(kv_format, kv_c.dtype)
     code = fmt.code
@@ -308,8 +361,8 @@ def mla_kv_cache_write(
             k_scale_f = float(k_scale)
     if n == 0:
         return
-    block_t = 4
-    _mla_kv_cache_write_kernel[(triton.cdiv(n, block_t),)](
+    cfg = write_config(n) if config is None else WRITE_CONFIGS[config]
+    _mla_kv_cache_write_kernel[(triton.cdiv(n, cfg.block_t), cfg.parts)](
         kv_c, k_pe, cache, slot_mapping, kscale_arg,
         k_scale_f, n, num_slots, block_size,
         kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
@@ -317,8 +370,9 @@ def mla_kv_cache_write(
         KV_FORMAT=code,
         KSCALE_FROM_PTR=kscale_from_ptr,
         POW2_SCALE=ds_scale_format == "pow2_fp32",
-        BLOCK_T=block_t,
-        num_warps=4,
+        BLOCK_T=cfg.block_t,
+        PARTS=cfg.parts,
+        num_warps=cfg.num_warps,
     )
 
 
@@ -518,9 +572,9 @@ def SM120_COMPILE_SPECS() -> list[dict]:
         for code, fmt in ((_FMT_DS_MLA, "fp8_ds_mla"), (_FMT_FP8, "fp8"), (_FMT_16BIT, "auto")):
             variants = [(False, False), (False, True)] if code == _FMT_DS_MLA else (
                 [(True, False), (False, False)] if code == _FMT_FP8 else [(False, False)])
-            for kptr, pow2 in variants:
+            for (kptr, pow2), (cname, cfg) in itertools.product(variants, WRITE_CONFIGS.items()):
                 specs.append({
-                    "name": f"mla_kv_cache_write[{fmt},{in_name},kscale_ptr={int(kptr)},pow2={int(pow2)}]",
+                    "name": f"mla_kv_cache_write[{fmt},{in_name},kscale_ptr={int(kptr)},pow2={int(pow2)},{cname}]",
                     "fn": _mla_kv_cache_write_kernel,
                     "signature": {
                         "kvc_ptr": in_t, "kpe_ptr": in_t, "cache_ptr": in_t if code == _FMT_16BIT else "*u8",
@@ -529,13 +583,13 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                         "stride_ct": "i32", "stride_cd": "constexpr", "stride_pt": "i32", "stride_pd": "constexpr",
                         "stride_kb": "i32", "stride_ks": "i32",
                         "KV_FORMAT": "constexpr", "KSCALE_FROM_PTR": "constexpr", "POW2_SCALE": "constexpr",
-                        "BLOCK_T": "constexpr",
+                        "BLOCK_T": "constexpr", "PARTS": "constexpr",
                     },
                     "constexprs": {"stride_cd": 1, "stride_pd": 1, "KV_FORMAT": code, "KSCALE_FROM_PTR": kptr,
-                                   "POW2_SCALE": pow2, "BLOCK_T": 4},
+                                   "POW2_SCALE": pow2, "BLOCK_T": cfg.block_t, "PARTS": cfg.parts},
                     "divisible_by_16": ["kvc_ptr", "kpe_ptr", "cache_ptr", "slot_ptr", "kscale_ptr",
                                         "stride_ct", "stride_pt", "stride_kb", "stride_ks"],
-                    "num_warps": 4,
+                    "num_warps": cfg.num_warps,
                     "num_stages": 1,
                 })
     for ws_t, ws_name in (("*bf16", "bf16"), ("*fp16", "fp16")):

@@ -14,9 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.triton_mla_kv_cache import (
+    WRITE_CONFIGS,
+    WRITE_SPLIT_MAX_TOKENS,
     dequantize_mla_kv_cache,
     mla_kv_cache_write,
     mla_kv_cache_write_reference,
+    write_config,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +47,7 @@ def _inputs(n, dtype, device, strided=False, scale=3.0):
     return kv_c, k_pe
 
 
-def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary_fp32", k_scale=None):
+def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary_fp32", k_scale=None, config=None):
     kv_c, k_pe = _inputs(n, dtype, device, strided)
     # distinct slots, some padding (-1) tokens
     slots = torch.randperm(nb * bs, device=device)[:n].to(torch.int64)
@@ -52,7 +55,7 @@ def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary
     a = _cache(fmt, nb, bs, dtype, device)
     b = a.clone()
     kw = {"ds_scale_format": scale_format}
-    mla_kv_cache_write(kv_c, k_pe, a, slots, fmt, k_scale, **kw)
+    mla_kv_cache_write(kv_c, k_pe, a, slots, fmt, k_scale, config=config, **kw)
     mla_kv_cache_write_reference(kv_c, k_pe, b, slots, fmt, k_scale, **kw)
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "kernel bytes differ from the reference"
     # untouched slots keep their poison, written ones hold a faithful quantization
@@ -88,11 +91,22 @@ def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary
             assert bool((err <= lim).all())
 
 
+@pytest.mark.parametrize("config", sorted(WRITE_CONFIGS))
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_write_matches_reference(fmt, dtype, seed):
+def test_write_matches_reference(fmt, dtype, config, seed):
     ks = 0.05 if fmt == "fp8" else None
-    _check(fmt, dtype, 13, 4, 16, DEV, k_scale=ks)
+    _check(fmt, dtype, 13, 4, 16, DEV, k_scale=ks, config=config)
+
+
+def test_write_config_dispatch():
+    # decode-sized batches split each row over 5 programs, prefill-sized ones write whole rows
+    assert write_config(1) == write_config(WRITE_SPLIT_MAX_TOKENS) == WRITE_CONFIGS["split"]
+    assert write_config(WRITE_SPLIT_MAX_TOKENS + 1) == write_config(16384) == WRITE_CONFIGS["rows"]
+    kv_c, k_pe = _inputs(2, torch.float16, DEV, False)
+    cache = _cache("fp8_ds_mla", 1, 16, torch.float16, DEV)
+    with pytest.raises(ValueError, match="config must be one of"):
+        mla_kv_cache_write(kv_c, k_pe, cache, torch.arange(2, device=DEV), "fp8_ds_mla", config="fast")
 
 
 def test_write_pow2_scales_and_strided_views(seed):
@@ -196,9 +210,10 @@ def _vllm_write(version, fmt, kv_c, k_pe, cache, slots, k_scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(WRITE_CONFIGS))
 @pytest.mark.parametrize("version,fmt,sf", [("0.26.0", "fp8_ds_mla", "arbitrary_fp32"), ("0.33.0", "fp8_ds_mla", "pow2_fp32"),
                                             ("0.26.0", "fp8", None), ("0.33.0", "fp8", None)])
-def test_write_bytes_equal_vllm_kernel(version, fmt, sf, seed):
+def test_write_bytes_equal_vllm_kernel(version, fmt, sf, config, seed):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("vLLM cubins staged for sm_90")
     n, nb, bs = 4096, 96, 64
@@ -211,7 +226,7 @@ def test_write_bytes_equal_vllm_kernel(version, fmt, sf, seed):
     a = _cache(fmt, nb, bs, torch.bfloat16, "cuda")
     b = a.clone()
     c = a.clone()
-    mla_kv_cache_write(kv_c, k_pe, a, slots, fmt, ks, ds_scale_format=sf or "arbitrary_fp32")
+    mla_kv_cache_write(kv_c, k_pe, a, slots, fmt, ks, ds_scale_format=sf or "arbitrary_fp32", config=config)
     mla_kv_cache_write_reference(kv_c, k_pe, b, slots, fmt, ks, ds_scale_format=sf or "arbitrary_fp32")
     _vllm_write(version, fmt, kv_c, k_pe, c, slots, ks)
     assert torch.equal(b, c), f"reference differs from vLLM {version}'s kernel in {(b != c).sum().item()} bytes"
@@ -219,9 +234,11 @@ def test_write_bytes_equal_vllm_kernel(version, fmt, sf, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(WRITE_CONFIGS))
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "bfloat16"])
-def test_write_gpu_large(fmt, seed):
-    _check(fmt, torch.bfloat16, 8192, 160, 64, "cuda", strided=True, k_scale=0.02 if fmt == "fp8" else None)
+def test_write_gpu_large(fmt, config, seed):
+    _check(fmt, torch.bfloat16, 8192, 160, 64, "cuda", strided=True, k_scale=0.02 if fmt == "fp8" else None,
+           config=config)
 
 
 # --------------------------------------------------------------------------------------------
