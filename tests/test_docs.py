@@ -113,3 +113,28 @@ def test_the_path_scanner_sees_a_missing_file(tmp_path):
 def test_pending_results_are_still_pending():
     done = [rel for rel in PENDING if _exists(rel)]
     assert not done, f"now in the checkout, remove from PENDING in tests/test_docs.py: {done}"
+
+
+_CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
+
+
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    files = [REPO / p for p in out.decode().split("\0") if p]
+    return [f for f in files if f.suffix in {".py", ".md", ".toml", ".txt", ".patch", ".sh", ".json", ".cfg"}
+            or f.name in {"series", "run"}]
+
+
+def test_no_merge_conflict_markers():
+    # a botched merge once left "=======" inside a module docstring
+    bad = [f"{f.relative_to(REPO)}:{s.count(chr(10), 0, m.start()) + 1}"
+           for f in _tracked_text_files() if f.is_file()
+           for s in [f.read_text(errors="replace")] for m in _CONFLICT_MARKER.finditer(s)]
+    assert not bad, f"merge conflict markers in {bad}"
+
+
+def test_the_conflict_marker_scan_sees_one():
+    assert _CONFLICT_MARKER.search("a\n=======\nb") and _CONFLICT_MARKER.search("<<<<<<< HEAD\n")
+    assert not _CONFLICT_MARKER.search("  =======  ===\n========\n")

@@ -6,27 +6,6 @@ The backend (``triton_mla_sparse.py``) is written once; what depends on the
 release's shared sparse-MLA base classes is one field of ``SparseMLAApi``, and
 each API generation is one entry of ``GENERATIONS``:
 
-  difference           0.26.0 ("impl-converts-topk")          0.33.0 ("base-converts-topk")
-  ===================  =====================================  =====================================
-  top-k -> cache rows  the impl's ``forward_mqa`` converts    ``SparseMLACommonImpl.forward_mqa``
-                       the indexer's request-local top-k      converts it (DCP, HiSparse) into rows
-                       (``ImplConvertsTopk``)                 of a flat row view and calls the
-                                                              impl's ``_forward_mqa_kernel``
-                                                              (``BaseConvertsTopk``)
-  metadata class       a dataclass of our own                 ``SparseMLACommonMetadata``
-  fp8_ds_mla scales    amax / 448 (``arbitrary_fp32``)        powers of two (``pow2_fp32``)
-  KV cache spec hook   none (never called)                    ``customize_spec``: blocks a whole
-                                                              number of flat rows apart
-  indexer K scales     fp32 on every device                   MX (UE8M0 x4) on SM100, per
-                                                              ``deep_gemm.mqa_logits_use_mx_scales``
-  DeepGEMM's JIT       vendored DeepGEMM 2.5.0: nvcc >= 12.3  vendored DeepGEMM 2.8.1: nvcc >= 12.9
-                       (or NVRTC with ``DG_JIT_USE_NVRTC``)   only (no NVRTC compiler in it)
-  ===================  =====================================  =====================================
-
-(The scale facts were read from the release wheels' cache writers; the JIT facts
-from the wheels' ``vllm/third_party/deep_gemm``, see ``DeepGemmJit``; the other
-rows from their Python sources.) 0.33.0 also passes ``skip_scale`` to
-=======
   ====================  =========================  =========================  =========================
   difference            0.26.0                     0.33.0                     0.34.0
                         "impl-converts-topk"       "base-converts-topk"       "base-converts-topk-shardq"
