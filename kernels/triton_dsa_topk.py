@@ -401,11 +401,6 @@ def _topk_merge_kernel(
 
 
 @triton.jit
-def _add2(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
 def _topk_short_kernel(
     logits_ptr, stride_r, stride_c,
     a_ptr, b_ptr, next_n,
@@ -417,8 +412,7 @@ def _topk_short_kernel(
     one program per row, one launch, no scratch (the scratch pointers are unused; same arguments as
     the other kernels). The row's logits are loaded once into registers as uint32 keys; the k-th
     largest key is found by a 4-way bisection on the key bits (2 bits per step: the counts of
-    three thresholds in one two-operand block reduction; the first and third packed into 16-bit
-    halves), ending early as soon as the keys >= the current prefix are exactly K; then one packed
+    three thresholds in 21-bit fields of one int64 block sum), ending early as soon as the keys >= the current prefix are exactly K; then one packed
     scan places the selection in ascending position order (ties at the k-th value: lowest
     positions first), the same output as the radix path's rows <= CAP."""
     row = tl.program_id(0).to(tl.int64)
@@ -449,11 +443,12 @@ def _topk_short_kernel(
             t1 = p + step
             t2 = t1 + step
             t3 = t2 + step
-            v13 = (u >= t1).to(tl.int32) + ((u >= t3).to(tl.int32) << 16)  # counts <= 8192 < 2**16
-            v2 = (u >= t2).to(tl.int32)
-            n13, c2 = tl.reduce((v13, v2), 0, _add2)
-            c1 = n13 & 0xFFFF
-            c3 = n13 >> 16
+            # the three counts (<= 8192 < 2**21) in 21-bit fields of one int64 sum
+            v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
+            n = tl.sum(v, 0)
+            c1 = (n & 0x1FFFFF).to(tl.int32)
+            c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
+            c3 = (n >> 42).to(tl.int32)
             ok3 = c3 >= K
             ok2 = c2 >= K
             ok1 = c1 >= K
