@@ -309,7 +309,7 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -327,7 +327,10 @@ def _topk_merge_kernel(
     elif L <= CAP:
         cm = cj < L
         ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
-        _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
+        if SHORT_SELECT:  # the short-row kernel's select (same output)
+            _bisect_store(tl.where(cm, ku, 0), cj, cm, L, out, K)
+        else:  # radix select, 32 // BITS passes
+            _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
     else:
         ck = cat_k_ptr + row * CAP
         ci = cat_i_ptr + row * CAP
@@ -401,6 +404,55 @@ def _topk_merge_kernel(
 
 
 @triton.jit
+def _bisect_store(u, j, m, L, out, K: tl.constexpr):
+    """Write the K largest of the uint32 keys ``u`` (lanes ``m``, L of them, > K; other lanes 0) as
+    their positions ``j`` to out[0..K), in ascending position order, ties at the k-th value to the
+    lowest positions. 4-way bisection on the key bits, 2 bits per step: the counts of three
+    thresholds in 21-bit fields of one int64 block sum (lanes < 2**21); ends at the k-th key or as
+    soon as the keys >= the prefix are exactly K; then one packed scan places the selection."""
+    # invariant: the k-th largest key is in [p, p + 2**s - 1];
+    # c_ge = #(u >= p) >= K > c_gt = #(u >= p + 2**s)
+    p = tl.zeros([], dtype=tl.uint32)
+    s = tl.full([], 32, tl.int32)
+    c_ge = L
+    c_gt = tl.zeros([], dtype=tl.int32)
+    while (s > 0) & (c_ge != K):
+        s -= 2
+        step = tl.full([], 1, tl.uint32) << s.to(tl.uint32)
+        t1 = p + step
+        t2 = t1 + step
+        t3 = t2 + step
+        # the three counts (< 2**21) in 21-bit fields of one int64 sum
+        v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
+        n = tl.sum(v, 0)
+        c1 = (n & 0x1FFFFF).to(tl.int32)
+        c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
+        c3 = (n >> 42).to(tl.int32)
+        ok3 = c3 >= K
+        ok2 = c2 >= K
+        ok1 = c1 >= K
+        c_gt = tl.where(ok3, c_gt, tl.where(ok2, c3, tl.where(ok1, c2, c1)))
+        c_ge = tl.where(ok3, c3, tl.where(ok2, c2, tl.where(ok1, c1, c_ge)))
+        p = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, p)))
+    # window [p, p + 2**s - 1]: all of it is taken when c_ge == K (early end), else s == 0 and
+    # it is the k-th value, of which the lowest-position K - c_gt are taken
+    width = (tl.full([], 1, tl.uint32) << s.to(tl.uint32)) - 1
+    need = K - c_gt
+    above = m & (u > p + width)
+    win = m & (u >= p) & (u - p <= width)
+    if u.shape[0] <= 16384:  # one packed scan (counts < 2**15)
+        incl = tl.cumsum(above.to(tl.int32) | (win.to(tl.int32) << 16), 0)
+        n_w = incl >> 16
+        n_above = incl & 0xFFFF
+    else:
+        n_w = tl.cumsum(win.to(tl.int32), 0)
+        n_above = tl.cumsum(above.to(tl.int32), 0)
+    sel = above | (win & (n_w <= need))
+    opos = n_above + tl.minimum(n_w, need) - 1
+    tl.store(out + opos, j, mask=sel)
+
+
+@triton.jit
 def _topk_short_kernel(
     logits_ptr, stride_r, stride_c,
     a_ptr, b_ptr, next_n,
@@ -431,41 +483,7 @@ def _topk_short_kernel(
         x = tl.load(src + j.to(tl.int64) * stride_c, mask=m, other=0.0)
         # uint32 keys in float order; lanes past the row are 0, below every threshold (>= 1)
         u = tl.where(m, _to_u(_f32_key(x)), 0)
-        # invariant: the k-th largest key is in [p, p + 2**s - 1];
-        # c_ge = #(u >= p) >= K > c_gt = #(u >= p + 2**s)
-        p = tl.zeros([], dtype=tl.uint32)
-        s = tl.full([], 32, tl.int32)
-        c_ge = L
-        c_gt = tl.zeros([], dtype=tl.int32)
-        while (s > 0) & (c_ge != K):
-            s -= 2
-            step = tl.full([], 1, tl.uint32) << s.to(tl.uint32)
-            t1 = p + step
-            t2 = t1 + step
-            t3 = t2 + step
-            # the three counts (<= 8192 < 2**21) in 21-bit fields of one int64 sum
-            v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
-            n = tl.sum(v, 0)
-            c1 = (n & 0x1FFFFF).to(tl.int32)
-            c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
-            c3 = (n >> 42).to(tl.int32)
-            ok3 = c3 >= K
-            ok2 = c2 >= K
-            ok1 = c1 >= K
-            c_gt = tl.where(ok3, c_gt, tl.where(ok2, c3, tl.where(ok1, c2, c1)))
-            c_ge = tl.where(ok3, c3, tl.where(ok2, c2, tl.where(ok1, c1, c_ge)))
-            p = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, p)))
-        # window [p, p + 2**s - 1]: all of it is taken when c_ge == K (early end), else s == 0 and
-        # it is the k-th value, of which the lowest-position K - c_gt are taken
-        width = (tl.full([], 1, tl.uint32) << s.to(tl.uint32)) - 1
-        need = K - c_gt
-        above = m & (u > p + width)
-        win = m & (u >= p) & (u - p <= width)
-        incl = tl.cumsum(above.to(tl.int32) | (win.to(tl.int32) << 16), 0)  # counts <= 8192 < 2**15
-        n_w = incl >> 16
-        sel = above | (win & (n_w <= need))
-        opos = (incl & 0xFFFF) + tl.minimum(n_w, need) - 1
-        tl.store(out + opos, j, mask=sel)
+        _bisect_store(u, j, m, L, out, K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,7 +549,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
-                SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block,
+                SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True,
                 short_warps=min(16, max(4, short_block // 256)))
 
 
@@ -610,6 +628,8 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS),
                       arch_major=major)
     cfg.update(overrides)
+    if overrides.get("SHORT") is False and "SHORT_SELECT" not in overrides:
+        cfg["SHORT_SELECT"] = False  # SHORT=False: the radix path throughout (A/B against it)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
@@ -644,7 +664,8 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
                                                 ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
-                                          GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"])), merge_warps))
+                                          GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),
+                                          SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True)))), merge_warps))
     return plan
 
 

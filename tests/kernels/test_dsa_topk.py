@@ -516,3 +516,25 @@ def test_short_path_fuzz(seed):
         ref = T.persistent_topk_reference(lg, lens, k)
         got = T.canonical(out)
         assert torch.equal(got, ref), f"k={k} n={n} kind={kind} lens={lens.tolist()}: {_first_diff(got, ref)}"
+
+
+@pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "ties"])
+def test_merge_kernel_short_rows_bisect(kind, seed):
+    """Calls with max_seq_len > SHORT_MAX keep the radix path, whose merge kernel selects rows
+    <= CAP in registers: with the short kernel's bisection (SHORT_SELECT, the default) it writes
+    the same output, in the same order, as with the radix select (SHORT=False)."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = K_SMALL, 700
+    lg = _short_rows(kind, 7, n, g)
+    lens = torch.tensor([0, 5, k, k + 1, 100, 128, 700], dtype=torch.int32)  # CAP = 128 in SMALL
+    cfg = T.topk_config(k, 1 << 20)
+    assert not cfg["SHORT"] and cfg["SHORT_SELECT"]
+    outs = []
+    for over in (dict(SMALL, SHORT_SELECT=True), SMALL):
+        out = torch.full((7, k), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, **over)
+        _check(out, T.persistent_topk_reference(lg, lens, k))
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    plan = T._launch_plan(cfg, k, 2, 1 << 20, 8, 16)
+    assert plan[-1][0] is T._topk_merge_kernel and plan[-1][1]["SHORT_SELECT"] == 1
