@@ -19,7 +19,14 @@ Semantics (documented, tested against ``torch.topk``):
   shorter than ``k`` is ``0, 1, ..., L-1, -1, ...``). vLLM's consumers treat the row as a set.
 * Rows with ``L <= k`` (and empty / padded rows, ``L <= 0``) are written as ``0..L-1`` then -1.
 
-Algorithm (two launches; the row's logits are read once from L2/HBM in the common case):
+Short calls (``max_seq_len <= SHORT_MAX`` = 8192; ``_topk_short_kernel``, grid ``(rows,)``, one
+launch, no scratch): the row's logits are loaded once into registers as uint32 keys, the k-th
+largest key is found by a 4-way bisection on the key bits (``_bisect_store``: three threshold
+counts per step in one int64 block sum, ending as soon as the keys above the prefix are exactly
+k), and one packed scan writes the selection in ascending position order. ``SHORT=False`` (a
+keyword of every entry) takes the radix path below instead, for any length.
+
+Algorithm for longer calls (two launches; the row's logits are read once from L2/HBM in the common case):
 
 1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
    ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
@@ -32,7 +39,8 @@ Algorithm (two launches; the row's logits are read once from L2/HBM in the commo
    order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
    are too few rows to fill the GPU (every program computes the same window).
 2. *Resolve* (``_topk_merge_kernel``, grid ``(rows,)``): rows ``<= k`` are filled, rows
-   ``<= CAP`` are selected straight from the logits; longer rows concatenate their segments (in
+   ``<= CAP`` are selected straight from the logits (with ``_bisect_store``; the radix select of
+   all 32 bits when ``SHORT_SELECT`` is off, as ``SHORT=False`` sets it); longer rows concatenate their segments (in
    position order), radix-select the k-th key ``tau`` among the window (only the bits that vary
    inside the window), then take the candidates ``> tau`` plus the first ``need`` ones ``== tau``
    (lowest positions first).
