@@ -488,7 +488,7 @@ def run_shape(sh, dg, have_ops, max_sets, torch_ref=True, logit_over=None, topk_
     tcfg.update(topk_over or {})
     rec["topk_path"] = "short" if tcfg["SHORT"] else "radix"
     if not topk_over:  # main records (a sweep variant times what it overrides)
-        for path, over in (("short", {"SHORT": True}), ("radix", {"SHORT": False})):
+        for path, over in (("short", {"SHORT": True}), ("radix", {"SHORT": False, "SHORT_SELECT": False})):
             if path == rec["topk_path"]:
                 rec[f"topk_{path}_us"], rec[f"us_{path}_topk"] = rec["topk_us"], rec["us"]
             elif path == "radix" or sh.mml <= T.SHORT_MAX:
@@ -575,7 +575,7 @@ def main():
             t = ("logits", sh.B, sh.nn, sh.mml, cfg)
             if t not in tasks:
                 tasks.append(t)
-        for v in ([{}, {"SHORT": False}] + [x.get("topk", {}) for x in variants]):
+        for v in ([{}, {"SHORT": False, "SHORT_SELECT": False}] + [x.get("topk", {}) for x in variants]):
             cfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
             cfg.update(v)
             t = ("topk", 1, sh.mml, cfg)
