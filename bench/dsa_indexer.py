@@ -486,7 +486,9 @@ def run_shape(sh, dg, have_ops, max_sets, torch_ref=True, logit_over=None, topk_
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
     tcfg.update(topk_over or {})
-    rec["topk_path"] = "short" if tcfg["SHORT"] else "radix"
+    # "radix+bisect": the radix path whose merge kernel selects rows <= CAP with the short kernel's
+    # bisection (what max_model_len > SHORT_MAX runs); "radix": SHORT=False, the radix select throughout
+    rec["topk_path"] = "short" if tcfg["SHORT"] else ("radix+bisect" if tcfg.get("SHORT_SELECT") else "radix")
     if not topk_over:  # main records (a sweep variant times what it overrides)
         for path, over in (("short", {"SHORT": True}), ("radix", {"SHORT": False, "SHORT_SELECT": False})):
             if path == rec["topk_path"]:
@@ -721,8 +723,9 @@ def write_md(result, path):
                      f"({_f(r.get('deepgemm_logits_pct_copy_bw'), '{:.0f}')}) | {_f(r.get('torch_us'), '{:.0f}')} |")
     lines += ["", "ratio = Triton (logits + top-k) / (DeepGEMM logits + vLLM persistent_topk), both captured the same way.", ""]
     if any("topk_radix_us" in r for r in result["records"]):
-        lines += ["Top-k paths (us; `top-k` above is the dispatch's path): the short-row kernel (one launch, rows <= "
-                  "SHORT_MAX) and the radix path (`SHORT=False`), alone and in the whole step.", "",
+        lines += ["Top-k paths (us; `top-k` above is the dispatch's path): the short-row kernel (one launch, "
+                  "max_model_len <= SHORT_MAX), the radix path (`SHORT=False`: radix select throughout; the dispatch's "
+                  "`radix+bisect` selects rows <= CAP with the bisection), alone and in the whole step.", "",
                   "| context | T | dispatch | short top-k | radix top-k | step with short | step with radix | "
                   "cooperative_topk |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in result["records"]:
