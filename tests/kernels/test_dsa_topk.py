@@ -491,7 +491,8 @@ def test_gpu_short_path_k2048(kind, width):
     g = torch.Generator().manual_seed(width + len(kind))
     rows = 6
     lg = _short_rows(kind, rows, width, g).cuda()
-    lens = torch.tensor([1, 2048, 2049, max(width // 2, 1), width - 1, width], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([1, 2048, min(2049, width), max(width // 2, 1), width - 1, width], dtype=torch.int32,
+                        device="cuda")
     out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
     T.persistent_topk(lg, lens, out, None, 2048, width)
     assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
