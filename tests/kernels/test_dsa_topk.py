@@ -539,3 +539,23 @@ def test_merge_kernel_short_rows_bisect(kind, seed):
     assert torch.equal(outs[0], outs[1])
     plan = T._launch_plan(cfg, k, 2, 1 << 20, 8, 16)
     assert plan[-1][0] is T._topk_merge_kernel and plan[-1][1]["SHORT_SELECT"] == 1
+
+
+@gpu
+@needs_gpu
+def test_gpu_short_path_cuda_graph_capture():
+    """The short kernel (no scratch, no allocation) captured in a CUDA graph; new data and row
+    lengths replayed."""
+    lg = torch.randn(5, 4096, device="cuda")
+    lens = torch.tensor([4096, 3000, 10, 2049, 2048], dtype=torch.int32, device="cuda")
+    out = torch.empty(5, 2048, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, 4096)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        T.persistent_topk(lg, lens, out, None, 2048, 4096)
+    lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)
+    lens.copy_(torch.tensor([4095, 4096, 2049, 1, 3333], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
