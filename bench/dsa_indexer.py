@@ -235,6 +235,30 @@ def triton_step_fns(sh, inp, logit_over=None, topk_over=None):
     return logits, topk, both, out, idx
 
 
+def topk_path_fns(sh, inp, out, over):
+    """The top-k alone and the whole step (logits + top-k) with the top-k forced by ``over``
+    (``{"SHORT": False}``: the radix path; ``{"SHORT": True}``: the short-row kernel), on the same
+    logits buffer ``out`` as triton_step_fns, with its own indices and scratch."""
+    import triton_dsa_indexer as I
+    import triton_dsa_topk as T
+    idx = torch.empty(sh.rows, K_TOP, dtype=torch.int32, device="cuda")
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
+    tcfg.update(over)
+    scratch = torch.empty(T._scratch_layout(sh.rows, K_TOP, tcfg["CAP"], tcfg["SPLIT"])["total"],
+                          dtype=torch.int32, device="cuda")
+    ns = inp["n_sets"]
+
+    def topk(i):
+        T.persistent_topk(out, inp["lens"], idx, scratch, K_TOP, sh.mml, **over)
+
+    def both(i):
+        I.fp8_paged_mqa_logits(inp["q"], inp["pool"], inp["w"], inp["ctx2d"], inp["bts"][i % ns], sh.mml,
+                               clean_logits=False, out=out)
+        topk(i)
+    return topk, both
+
+
 def dg_step_fns(sh, inp, dg, have_ops):
     kv4 = inp["pool"].unsqueeze(-2)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -456,6 +480,23 @@ def run_shape(sh, dg, have_ops, max_sets, torch_ref=True, logit_over=None, topk_
     rec["us"], rec["us_spread"] = time_graph(bf, R)
     rec["logits_us"], _ = time_graph(lf, R)
     rec["topk_us"], _ = time_graph(tf, R)
+    # both top-k paths at every shape (topk_us / us stay "what the dispatch runs"): the short-row
+    # kernel where the rows allow it (max_model_len <= SHORT_MAX), and the radix path
+    import triton_dsa_topk as T
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
+    tcfg.update(topk_over or {})
+    # "radix+bisect": the radix path whose merge kernel selects rows <= CAP with the short kernel's
+    # bisection (what max_model_len > SHORT_MAX runs); "radix": SHORT=False, the radix select throughout
+    rec["topk_path"] = "short" if tcfg["SHORT"] else ("radix+bisect" if tcfg.get("SHORT_SELECT") else "radix")
+    if not topk_over:  # main records (a sweep variant times what it overrides)
+        for path, over in (("short", {"SHORT": True}), ("radix", {"SHORT": False, "SHORT_SELECT": False})):
+            if path == rec["topk_path"]:
+                rec[f"topk_{path}_us"], rec[f"us_{path}_topk"] = rec["topk_us"], rec["us"]
+            elif path == "radix" or sh.mml <= T.SHORT_MAX:
+                ptf, pbf = topk_path_fns(sh, inp, out, over)
+                rec[f"topk_{path}_us"], _ = time_graph(ptf, R)
+                rec[f"us_{path}_topk"], _ = time_graph(pbf, R)
     if dg is not None and do_dg:
         dlf, dtf, dcf, dbf, dbv, holder, didx, fixed = dg_step_fns(sh, inp, dg, have_ops)
         rec["deepgemm_us"], _ = time_graph(dlf, R)
@@ -536,7 +577,7 @@ def main():
             t = ("logits", sh.B, sh.nn, sh.mml, cfg)
             if t not in tasks:
                 tasks.append(t)
-        for v in ([{}] + [x.get("topk", {}) for x in variants]):
+        for v in ([{}, {"SHORT": False, "SHORT_SELECT": False}] + [x.get("topk", {}) for x in variants]):
             cfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
             cfg.update(v)
             t = ("topk", 1, sh.mml, cfg)
@@ -600,7 +641,9 @@ def main():
         log(f"{sh.name()}: ours {r['us']:.1f} us (logits {r['logits_us']:.1f}, topk {r['topk_us']:.1f}) | "
             f"DG {r.get('deepgemm_us', float('nan')):.1f} + PT {r.get('persistent_topk_us', float('nan')):.1f} "
             f"= {r.get('deepgemm_plus_topk_us', float('nan')):.1f} | ratio {r.get('ratio_vs_deepgemm', float('nan')):.3f} "
-            f"| bw {r['logits_pct_copy_bw']:.0f}% | torch {r.get('torch_us') or float('nan'):.0f} | {r.get('checks')}")
+            f"| bw {r['logits_pct_copy_bw']:.0f}% | torch {r.get('torch_us') or float('nan'):.0f} | {r.get('checks')} "
+            f"| top-k {r.get('topk_path')}: short {r.get('topk_short_us', float('nan')):.1f} "
+            f"radix {r.get('topk_radix_us', float('nan')):.1f} coop {r.get('cooperative_topk_us', float('nan')):.1f}")
 
     if not args.skip_checks and dg is not None:
         try:
@@ -679,6 +722,19 @@ def write_md(result, path):
                      f"{_f(r.get('ratio_vs_deepgemm'), '{:.2f}')} | {_f(r['logits_pct_copy_bw'], '{:.0f}')} "
                      f"({_f(r.get('deepgemm_logits_pct_copy_bw'), '{:.0f}')}) | {_f(r.get('torch_us'), '{:.0f}')} |")
     lines += ["", "ratio = Triton (logits + top-k) / (DeepGEMM logits + vLLM persistent_topk), both captured the same way.", ""]
+    if any("topk_radix_us" in r for r in result["records"]):
+        lines += ["Top-k paths (us; `top-k` above is the dispatch's path): the short-row kernel (one launch, "
+                  "max_model_len <= SHORT_MAX), the radix path (`SHORT=False`: radix select throughout; the dispatch's "
+                  "`radix+bisect` selects rows <= CAP with the bisection), alone and in the whole step.", "",
+                  "| context | T | dispatch | short top-k | radix top-k | step with short | step with radix | "
+                  "cooperative_topk |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for r in result["records"]:
+            if "us" not in r:
+                continue
+            lines.append(f"| {r['context']} | {r['tokens']} | {r.get('topk_path', '-')} | {_f(r.get('topk_short_us'))} | "
+                         f"{_f(r.get('topk_radix_us'))} | {_f(r.get('us_short_topk'))} | {_f(r.get('us_radix_topk'))} | "
+                         f"{_f(r.get('cooperative_topk_us'))} |")
+        lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
 

@@ -19,7 +19,14 @@ Semantics (documented, tested against ``torch.topk``):
   shorter than ``k`` is ``0, 1, ..., L-1, -1, ...``). vLLM's consumers treat the row as a set.
 * Rows with ``L <= k`` (and empty / padded rows, ``L <= 0``) are written as ``0..L-1`` then -1.
 
-Algorithm (two launches; the row's logits are read once from L2/HBM in the common case):
+Short calls (``max_seq_len <= SHORT_MAX`` = 8192; ``_topk_short_kernel``, grid ``(rows,)``, one
+launch, no scratch): the row's logits are loaded once into registers as uint32 keys, the k-th
+largest key is found by a 4-way bisection on the key bits (``_bisect_store``: three threshold
+counts per step in one int64 block sum, ending as soon as the keys above the prefix are exactly
+k), and one packed scan writes the selection in ascending position order. ``SHORT=False`` (a
+keyword of every entry) takes the radix path below instead, for any length.
+
+Algorithm for longer calls (two launches; the row's logits are read once from L2/HBM in the common case):
 
 1. *Pivot window* (``_topk_segment_kernel``, grid ``(rows, SPLIT)``, only launched when
    ``max_seq_len > CAP``; rows with ``L <= CAP`` skip it): ``S`` logits at evenly spaced positions
@@ -32,7 +39,8 @@ Algorithm (two launches; the row's logits are read once from L2/HBM in the commo
    order into a scratch of ``CAP`` (key, position) pairs. ``SPLIT`` programs share a row when there
    are too few rows to fill the GPU (every program computes the same window).
 2. *Resolve* (``_topk_merge_kernel``, grid ``(rows,)``): rows ``<= k`` are filled, rows
-   ``<= CAP`` are selected straight from the logits; longer rows concatenate their segments (in
+   ``<= CAP`` are selected straight from the logits (with ``_bisect_store``; the radix select of
+   all 32 bits when ``SHORT_SELECT`` is off, as ``SHORT=False`` sets it); longer rows concatenate their segments (in
    position order), radix-select the k-th key ``tau`` among the window (only the bits that vary
    inside the window), then take the candidates ``> tau`` plus the first ``need`` ones ``== tau``
    (lowest positions first).
@@ -309,7 +317,7 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -327,7 +335,10 @@ def _topk_merge_kernel(
     elif L <= CAP:
         cm = cj < L
         ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
-        _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
+        if SHORT_SELECT:  # the short-row kernel's select (same output)
+            _bisect_store(tl.where(cm, ku, 0), cj, cm, L, out, K)
+        else:  # radix select, 32 // BITS passes
+            _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
     else:
         ck = cat_k_ptr + row * CAP
         ci = cat_i_ptr + row * CAP
@@ -400,6 +411,89 @@ def _topk_merge_kernel(
             _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
 
 
+@triton.jit
+def _bisect_store(u, j, m, L, out, K: tl.constexpr):
+    """Write the K largest of the uint32 keys ``u`` (lanes ``m``, L of them, > K; other lanes 0) as
+    their positions ``j`` to out[0..K), in ascending position order, ties at the k-th value to the
+    lowest positions. 4-way bisection on the key bits, 2 bits per step: the counts of three
+    thresholds in 21-bit fields of one int64 block sum (lanes < 2**21); ends at the k-th key or as
+    soon as the keys >= the prefix are exactly K; then one packed scan places the selection."""
+    # invariant: the k-th largest key is in [p, p + 2**s - 1];
+    # c_ge = #(u >= p) >= K > c_gt = #(u >= p + 2**s)
+    p = tl.zeros([], dtype=tl.uint32)
+    s = tl.full([], 32, tl.int32)
+    c_ge = L
+    c_gt = tl.zeros([], dtype=tl.int32)
+    while (s > 0) & (c_ge != K):
+        s -= 2
+        step = tl.full([], 1, tl.uint32) << s.to(tl.uint32)
+        t1 = p + step
+        t2 = t1 + step
+        t3 = t2 + step
+        # the three counts (< 2**21) in 21-bit fields of one int64 sum
+        v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
+        n = tl.sum(v, 0)
+        c1 = (n & 0x1FFFFF).to(tl.int32)
+        c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
+        c3 = (n >> 42).to(tl.int32)
+        ok3 = c3 >= K
+        ok2 = c2 >= K
+        ok1 = c1 >= K
+        c_gt = tl.where(ok3, c_gt, tl.where(ok2, c3, tl.where(ok1, c2, c1)))
+        c_ge = tl.where(ok3, c3, tl.where(ok2, c2, tl.where(ok1, c1, c_ge)))
+        p = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, p)))
+    # window [p, p + 2**s - 1]: all of it is taken when c_ge == K (early end), else s == 0 and
+    # it is the k-th value, of which the lowest-position K - c_gt are taken
+    width = (tl.full([], 1, tl.uint32) << s.to(tl.uint32)) - 1
+    need = K - c_gt
+    above = m & (u > p + width)
+    win = m & (u >= p) & (u - p <= width)
+    if u.shape[0] <= 16384:  # one packed scan (counts < 2**15)
+        incl = tl.cumsum(above.to(tl.int32) | (win.to(tl.int32) << 16), 0)
+        n_w = incl >> 16
+        n_above = incl & 0xFFFF
+    else:
+        n_w = tl.cumsum(win.to(tl.int32), 0)
+        n_above = tl.cumsum(above.to(tl.int32), 0)
+    sel = above | (win & (n_w <= need))
+    opos = n_above + tl.minimum(n_w, need) - 1
+    tl.store(out + opos, j, mask=sel)
+
+
+@triton.jit
+def _topk_short_kernel(
+    logits_ptr, stride_r, stride_c,
+    a_ptr, b_ptr, next_n,
+    out_ptr, stride_o,
+    seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
+    K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Rows of at most BLOCK columns (the whole call when max_seq_len <= SHORT_MAX), grid (rows,):
+    one program per row, one launch, no scratch (the scratch pointers are unused; same arguments as
+    the other kernels). The row's logits are loaded once into registers as uint32 keys; the k-th
+    largest key is found by a 4-way bisection on the key bits (2 bits per step: the counts of
+    three thresholds in 21-bit fields of one int64 block sum), ending early as soon as the keys >= the current prefix are exactly K; then one packed
+    scan places the selection in ascending position order (ties at the k-th value: lowest
+    positions first), the same output as the radix path's rows <= CAP."""
+    row = tl.program_id(0).to(tl.int64)
+    rs, L = _row_range(a_ptr, b_ptr, row, next_n, MODE)
+    L = tl.minimum(L, BLOCK)  # (the dispatch guarantees L <= max_seq_len <= BLOCK)
+    out = out_ptr + row * stride_o
+    if L <= K:
+        fo = tl.arange(0, KFILL)
+        for f0 in range(0, K, KFILL):
+            i = f0 + fo
+            tl.store(out + i, tl.where(i < L, i, -1), mask=i < K)
+    else:
+        j = tl.arange(0, BLOCK)
+        m = j < L
+        src = logits_ptr + row * stride_r + rs.to(tl.int64) * stride_c
+        x = tl.load(src + j.to(tl.int64) * stride_c, mask=m, other=0.0)
+        # uint32 keys in float order; lanes past the row are 0, below every threshold (>= 1)
+        u = tl.where(m, _to_u(_f32_key(x)), 0)
+        _bisect_store(u, j, m, L, out, K)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -412,6 +506,10 @@ def _topk_merge_kernel(
 RADIX_BITS = 4
 # Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
 SEG_MIN = 8192
+# Calls whose rows are all at most this long (max_seq_len) take the one-launch register-resident
+# select (``_topk_short_kernel``) unless ``SHORT=False`` is passed: its packed 16-bit counts hold
+# rows up to 32767 columns, its registers (no spills on sm_90 / sm_120) rows up to 8192.
+SHORT_MAX = 8192
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -453,9 +551,14 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     # 32k/128k (top-k 31.0 / 35.6 / 47.2 us at 32k T=1/16/64 against 27.1 / 28.7 / 39.3 us with
     # 4; bench/results/indexer_h200_merge_bits.json).
     merge_bits = 8 if (split > 1 and arch_major == 12) else bits
+    # rows <= SHORT_MAX: one launch of _topk_short_kernel, BLOCK = the row width rounded up to a
+    # power of two (>= 1024), 8 keys per thread up to 4096 (16 warps), 16 at 8192.
+    short_block = max(1024, triton.next_power_of_2(max(max_seq_len, 1)))
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
-                KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16)
+                KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
+                SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True,
+                short_warps=min(16, max(4, short_block // 256)))
 
 
 def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
@@ -533,14 +636,22 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS),
                       arch_major=major)
     cfg.update(overrides)
+    if overrides.get("SHORT") is False and "SHORT_SELECT" not in overrides:
+        cfg["SHORT_SELECT"] = False  # SHORT=False: the radix path throughout (A/B against it)
     num_warps = cfg.pop("num_warps")
     merge_warps = cfg.pop("merge_warps")
     cap, split = cfg["CAP"], cfg["SPLIT"]
+    if cfg["SHORT"] and max_seq_len > SHORT_MAX:
+        raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
+                         f"{max_seq_len}")
     lay = _scratch_layout(rows, k, cap, split)
-    scratch = _as_int32_scratch(scratch)
-    if scratch is None or scratch.numel() < lay["total"]:
-        scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
-    bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
+    if cfg["SHORT"]:  # no scratch (the kernel takes the same pointer arguments and ignores them)
+        bufs = [out] * (len(lay) - 1)
+    else:
+        scratch = _as_int32_scratch(scratch)
+        if scratch is None or scratch.numel() < lay["total"]:
+            scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
+        bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
     b = b if b is not None else a
     common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
     for kern, consts, nw in _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps):
@@ -552,13 +663,17 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
     """The kernels one top-k call launches, in order, with their constexprs and warps (used by the
     launch and by SM120_COMPILE_SPECS, so the specs are exactly what the dispatch launches)."""
     cap, split = cfg["CAP"], cfg["SPLIT"]
+    if cfg.get("SHORT"):  # every row <= SHORT_MAX: one launch, one program per row
+        return [(_topk_short_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, BLOCK=cfg["SHORT_BLOCK"]),
+                 cfg["short_warps"])]
     plan = []
     if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
         plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
                                                 ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
-                                          GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"])), merge_warps))
+                                          GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),
+                                          SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True)))), merge_warps))
     return plan
 
 
@@ -703,7 +818,7 @@ def canonical(indices: torch.Tensor) -> torch.Tensor:
 # (48: DGX Spark, 84 / 170: RTX 5090-class, 132: H100/H200, 148: B200, 188: RTX PRO 6000) plus
 # the interpreter's 8. The digit width and SEG_MIN stay at their defaults: only overrides change them.
 SPEC_K = (512, 1024, 2048)
-SPEC_MAX_SEQ_LEN = (1, 4096, 4097, 8192, 8193, 16384, 65536, 65537, 262144, 262145, 1 << 20, 1 << 21)
+SPEC_MAX_SEQ_LEN = (1, 1025, 2049, 4096, 4097, 8192, 8193, 16384, 65536, 65537, 262144, 262145, 1 << 20, 1 << 21)
 SPEC_ROWS = tuple(1 << i for i in range(17))
 SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
 
@@ -742,8 +857,8 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     for kern, consts, nw in dispatch_launches():
         i = count[kern.__name__] = count.get(kern.__name__, -1) + 1
         consts = dict(consts, MODE=i % 3)
-        short = "segment" if kern is _topk_segment_kernel else "merge"
-        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "SPLIT", "BITS", "MODE") if a in consts)
+        short = {_topk_segment_kernel: "segment", _topk_merge_kernel: "merge", _topk_short_kernel: "short"}[kern]
+        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "BLOCK", "SPLIT", "BITS", "MODE") if a in consts)
         specs.append({
             "name": f"dsa_topk_{short}[{tag},w={nw}]", "fn": kern,
             "signature": dict(common_sig, **{n: "constexpr" for n in consts}),

@@ -25,8 +25,9 @@ import triton_dsa_topk as T  # noqa: E402
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (not the interpreter)")
 
-# small constexprs for the interpreter: rows > CAP take the pivot-sample path
-SMALL = dict(S=64, CAP=128, CHUNK=64, RCHUNK=32, ZSIGMA=4.5, KFILL=16, SPLIT=1, GCHUNK=32, num_warps=4)
+# small constexprs for the interpreter: rows > CAP take the pivot-sample path (the radix path:
+# SHORT=False, else every call here, max_seq_len <= SHORT_MAX, would take the short-row kernel)
+SMALL = dict(S=64, CAP=128, CHUNK=64, RCHUNK=32, ZSIGMA=4.5, KFILL=16, SPLIT=1, GCHUNK=32, num_warps=4, SHORT=False)
 K_SMALL = 16
 
 
@@ -355,3 +356,206 @@ def test_empty_batch_launches_nothing():
     T.top_k_per_row_decode(torch.empty(0, 300, device=DEVICE), 1, torch.empty(0, dtype=torch.int32, device=DEVICE),
                            out, 0, 300, 1, K_SMALL, **SMALL)
     assert out.shape == (0, K_SMALL)
+
+
+# ------------------------------------------------------------------------------------------------
+# The short-row kernel (_topk_short_kernel: max_seq_len <= SHORT_MAX, one launch, registers only)
+# ------------------------------------------------------------------------------------------------
+
+
+def _short_rows(kind: str, rows: int, n: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "quantized":  # heavy ties: 1/8 steps of a normal, ~50 distinct values (+ 0.0: no -0.0,
+        # which the kernels order below +0.0 and the float64 reference ties with it)
+        return torch.round(torch.randn(rows, n, generator=g) * 8) / 8 + 0.0
+    if kind == "neg_inf":  # a third of the entries -inf (masked-out positions upstream)
+        x = torch.randn(rows, n, generator=g)
+        x[torch.rand(rows, n, generator=g) < 0.34] = float("-inf")
+        return x
+    if kind == "mostly_neg_inf":  # fewer finite entries than k: -inf fills the rest
+        x = torch.full((rows, n), float("-inf"))
+        x[:, ::97] = torch.randn(rows, (n + 96) // 97, generator=g)
+        return x
+    if kind == "signed_zeros":  # -0.0 < +0.0 in the key order; ties among each
+        return torch.where(torch.rand(rows, n, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+    if kind == "positive":  # common leading key bits (sign, top exponent bits)
+        return torch.rand(rows, n, generator=g) * 3 + 1
+    return _rows(kind, rows, n, g)
+
+
+SHORT_KINDS = ["randn", "quantized", "ties", "zeros", "neg_inf", "mostly_neg_inf", "signed_zeros", "positive",
+               "negative", "spikes", "dups", "increasing"]
+
+
+@pytest.mark.parametrize("kind", SHORT_KINDS)
+def test_short_path_exact(kind, seed):
+    """The dispatch takes the short-row kernel for max_seq_len <= SHORT_MAX (no overrides): exact
+    top-k (lowest positions win ties) on fresh random rows of every length class: empty, shorter
+    than k, exactly k, k + 1, random, the full width; the same set as the radix path (SHORT=False)."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 64, 1000
+    assert T.topk_config(k, n)["SHORT"] and T._launch_plan(T.topk_config(k, n), k, 2, n, 8, 16)[0][0] is \
+        T._topk_short_kernel
+    lg = _short_rows(kind, 8, n, g)
+    r = torch.randint(k + 2, n, (2,), generator=g).tolist()
+    lens = torch.tensor([0, 1, k - 1, k, k + 1, r[0], r[1], n], dtype=torch.int32)
+    out = torch.full((8, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+    if kind != "signed_zeros":  # (the float64 reference ties -0.0 with +0.0; the kernels order them)
+        _check(out, T.persistent_topk_reference(lg, lens, k))
+    old = torch.full((8, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), old, None, k, n, **SMALL)
+    assert torch.equal(T.canonical(out), T.canonical(old)), "short and radix paths select different sets"
+
+
+def test_short_path_order_is_ascending_positions(seed):
+    """Rows longer than k come out in ascending position order, identical to the radix path's
+    output for rows <= CAP; rows <= k are 0..L-1 then -1."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 32, 300
+    lg = torch.round(torch.randn(3, n, generator=g) * 4) / 4
+    lens = torch.tensor([n, 20, 200], dtype=torch.int32)
+    out = torch.empty(3, k, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+    out = out.cpu()
+    assert torch.equal(out[0], T.persistent_topk_reference(lg, lens, k)[0])
+    assert out[1].tolist() == list(range(20)) + [-1] * (k - 20)
+    assert torch.equal(out[2], torch.sort(out[2]).values)
+    old = torch.empty(3, k, dtype=torch.int32, device=DEVICE)  # radix path, rows <= CAP: same order
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), old, None, k, n, SHORT=False)
+    assert torch.equal(out, old.cpu())
+
+
+@pytest.mark.parametrize("next_n", [1, 3])
+def test_short_path_decode_rows(next_n, seed):
+    """Decode's next_n rows (1-D seq_lens: row r ends at seq_lens[r // n] - n + r % n + 1) and
+    2-D seq_lens, on the short kernel."""
+    g = torch.Generator().manual_seed(seed)
+    B, k, W = 4, 48, 900
+    lg = _short_rows("quantized", B * next_n, W, g)
+    seq = torch.tensor([1, k + 1, int(torch.randint(k, W, (1,), generator=g)), W], dtype=torch.int32)
+    out = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_decode(lg.to(DEVICE), next_n, seq.to(DEVICE), out, B * next_n, lg.stride(0), 1, k)
+    _check(out, T.top_k_per_row_decode_reference(lg, next_n, seq, k))
+    seq2 = torch.randint(0, W + 1, (B, next_n), generator=g, dtype=torch.int32)
+    out2 = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_decode(lg.to(DEVICE), next_n, seq2.to(DEVICE), out2, B * next_n, lg.stride(0), 1, k)
+    _check(out2, T.top_k_per_row_decode_reference(lg, next_n, seq2, k))
+
+
+def test_short_path_prefill_ragged_rows(seed):
+    """Prefill rows [ks, ke) of one logits buffer (strided view), indices relative to ks."""
+    g = torch.Generator().manual_seed(seed)
+    M, N, k = 7, 1100, 40
+    big = _short_rows("neg_inf", M, 2 * N, g)
+    ks = torch.tensor([0, 0, 5, 100, 300, 1000, 1099], dtype=torch.int32)
+    ke = torch.tensor([0, 40, 46, 1100, 1100, 1100, 1100], dtype=torch.int32)
+    out = torch.full((M, k), -7, dtype=torch.int32, device=DEVICE)
+    T.top_k_per_row_prefill(big[:, :N].to(DEVICE), ks.to(DEVICE), ke.to(DEVICE), out, M, big.stride(0), 1, k)
+    _check(out, T.top_k_per_row_prefill_reference(big[:, :N], ks, ke, k))
+
+
+@pytest.mark.parametrize("width", [T.SHORT_MAX, T.SHORT_MAX + 1])
+def test_short_dispatch_threshold(width, seed):
+    """max_seq_len == SHORT_MAX takes the short kernel (BLOCK 8192), one column more the radix path;
+    both exact on rows around the 4096 / 8192 block sizes; SHORT=True past SHORT_MAX is refused."""
+    g = torch.Generator().manual_seed(seed)
+    k = 2048
+    cfg = T.topk_config(k, width)
+    assert cfg["SHORT"] == (width <= T.SHORT_MAX)
+    lg = _short_rows("quantized", 4, width, g)
+    lens = torch.tensor([4095, 4097, 8191, width], dtype=torch.int32)
+    out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, width)
+    _check(out, T.persistent_topk_reference(lg, lens, k))
+    if width > T.SHORT_MAX:
+        with pytest.raises(ValueError, match="SHORT_MAX"):
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, width, SHORT=True)
+
+
+def test_short_config_blocks_and_warps():
+    """BLOCK = max(1024, next power of two of max_seq_len); 8 keys per thread up to 4096, 16 at 8192."""
+    for L, blk, nw in [(1, 1024, 4), (1024, 1024, 4), (1025, 2048, 8), (4096, 4096, 16), (4097, 8192, 16),
+                       (8192, 8192, 16)]:
+        c = T.topk_config(2048, L)
+        assert (c["SHORT"], c["SHORT_BLOCK"], c["short_warps"]) == (True, blk, nw), L
+    assert not T.topk_config(2048, 8193)["SHORT"]
+    shorts = [c for kern, c, _ in T.dispatch_launches() if kern is T._topk_short_kernel]
+    assert {c["BLOCK"] for c in shorts} == {1024, 2048, 4096, 8192}
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "positive", "ties"])
+@pytest.mark.parametrize("width", [2048, 3000, 4096, 8192])
+def test_gpu_short_path_k2048(kind, width):
+    g = torch.Generator().manual_seed(width + len(kind))
+    rows = 6
+    lg = _short_rows(kind, rows, width, g).cuda()
+    lens = torch.tensor([1, 2048, min(2049, width), max(width // 2, 1), width - 1, width], dtype=torch.int32,
+                        device="cuda")
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, width)
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+    old = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, old, None, 2048, width, SHORT=False)
+    assert torch.equal(out, old)
+
+
+def test_short_path_fuzz(seed):
+    """Random k (1..300), widths (BLOCK 1024 / 2048 / 4096), data kinds and row lengths."""
+    import random
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        k = rng.randint(1, 300)
+        n = rng.choice([rng.randint(1, 1024), rng.randint(1025, 2100), rng.randint(2049, 4096)])
+        kind = rng.choice([kd for kd in SHORT_KINDS if kd != "signed_zeros"])
+        lg = _short_rows(kind, 4, n, g)
+        lens = torch.tensor([rng.randint(0, n) for _ in range(3)] + [n], dtype=torch.int32)
+        out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+        ref = T.persistent_topk_reference(lg, lens, k)
+        got = T.canonical(out)
+        assert torch.equal(got, ref), f"k={k} n={n} kind={kind} lens={lens.tolist()}: {_first_diff(got, ref)}"
+
+
+@pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "ties"])
+def test_merge_kernel_short_rows_bisect(kind, seed):
+    """Calls with max_seq_len > SHORT_MAX keep the radix path, whose merge kernel selects rows
+    <= CAP in registers: with the short kernel's bisection (SHORT_SELECT, the default) it writes
+    the same output, in the same order, as with the radix select (SHORT=False)."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = K_SMALL, 700
+    lg = _short_rows(kind, 7, n, g)
+    lens = torch.tensor([0, 5, k, k + 1, 100, 128, 700], dtype=torch.int32)  # CAP = 128 in SMALL
+    cfg = T.topk_config(k, 1 << 20)
+    assert not cfg["SHORT"] and cfg["SHORT_SELECT"]
+    outs = []
+    for over in (dict(SMALL, SHORT_SELECT=True), SMALL):
+        out = torch.full((7, k), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, **over)
+        _check(out, T.persistent_topk_reference(lg, lens, k))
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    plan = T._launch_plan(cfg, k, 2, 1 << 20, 8, 16)
+    assert plan[-1][0] is T._topk_merge_kernel and plan[-1][1]["SHORT_SELECT"] == 1
+
+
+@gpu
+@needs_gpu
+def test_gpu_short_path_cuda_graph_capture():
+    """The short kernel (no scratch, no allocation) captured in a CUDA graph; new data and row
+    lengths replayed."""
+    lg = torch.randn(5, 4096, device="cuda")
+    lens = torch.tensor([4096, 3000, 10, 2049, 2048], dtype=torch.int32, device="cuda")
+    out = torch.empty(5, 2048, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, 4096)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        T.persistent_topk(lg, lens, out, None, 2048, 4096)
+    lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)
+    lens.copy_(torch.tensor([4095, 4096, 2049, 1, 3333], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))

@@ -32,7 +32,7 @@ def test_topk_specs_cover_every_launch():
         params = {a for a, t in s["signature"].items() if t == "constexpr"}
         assert params == set(s["constexprs"]), s["name"]
         assert params == {a for a in s["fn"].arg_names if a in params}  # names the kernel has
-    assert modes == {"_topk_segment_kernel": {0, 1, 2}, "_topk_merge_kernel": {0, 1, 2}}
+    assert modes == {"_topk_segment_kernel": {0, 1, 2}, "_topk_merge_kernel": {0, 1, 2}, "_topk_short_kernel": {0, 1, 2}}
     rng = random.Random(0)
     for _ in range(3000):  # inputs between (and beyond) the enumeration's grid points
         k = rng.choice(T.SPEC_K)
@@ -48,11 +48,13 @@ def test_topk_specs_cover_every_launch():
 
 
 def test_topk_specs_grow_with_the_dispatch():
-    """A dispatch that picks one more configuration (here: k = 4096, CAP 8192, 16 warps) is
-    not covered by the specs of the default inputs but is by the specs enumerated with it."""
+    """A dispatch that picks one more configuration (here: k = 4096: CAP 8192, 16 warps, and the
+    short-row kernel's K = 4096) is not covered by the specs of the default inputs but is by the
+    specs enumerated with it."""
     base = {(_key(c), w) for _, c, w in T.dispatch_launches()}
     more = {(_key(c), w) for _, c, w in T.dispatch_launches(ks=T.SPEC_K + (4096,))}
-    assert more - base and all(dict(c)["CAP"] == 8192 for c, _ in more - base)
+    assert more - base
+    assert all(dict(c)["CAP"] == 8192 if "CAP" in dict(c) else dict(c)["K"] == 4096 for c, _ in more - base)
 
 
 def test_paged_logits_specs_cover_every_dispatch_choice():
