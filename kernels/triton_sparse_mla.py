@@ -32,10 +32,12 @@ Conventions (shared with ``docs/CONVENTIONS.md``):
 
 Work split: one program handles one query row, ``BLOCK_H`` heads (padded to the MMA minimum of 16)
 and a contiguous range of the ``topk`` slots; when the grid ``T * ceil(H / BLOCK_H)`` would
-underfill the GPU the slots are split across ``num_splits`` programs and a second small kernel
-merges the partial results by their LSE. ``num_splits`` and every tile size are picked from shapes
-and the device only, so the call is CUDA-graph capturable (no host sync, no data-dependent
-allocation).
+underfill the GPU the slots are split across ``num_splits`` programs whose partial results are
+merged by their LSE, either by a second small kernel ("separate") or by the last program of each
+(row, head block) to finish ("fused": it counts arrivals in a persistent int32 buffer that it leaves
+at zero, so no per-call memset is needed). ``num_splits``, the merge and every tile size are picked
+from shapes and the device only, so the call is CUDA-graph capturable (no host sync, no
+data-dependent allocation).
 
 Host cost: the arguments are validated and the launch planned once per key (shapes, strides,
 dtypes, devices, scalars, 16-byte pointer alignment); later calls with that key allocate the
@@ -813,7 +815,9 @@ def sparse_mla_decode(
         validate: debug only: check index ranges on the host (synchronizes; not capturable) and
             raise ``ValueError`` on an index >= num_blocks * block_size.
         config: tuning only: override the dispatch's tile config (keys BLOCK_H, BLOCK_N,
-            num_warps, num_stages, DS_FOLD, PREFETCH, WAVES).
+            num_warps, num_stages, DS_FOLD, PREFETCH, WAVES) and the merge of a split launch
+            (MERGE ``"fused"`` / ``"separate"``; ``GLM5_SPARSE_MLA_MERGE`` does the same for every
+            plan made while it is set).
 
     Returns:
         ``(out, lse)``: ``out[t, h] = softmax(softmax_scale * q[t, h] . K[idx]) @ V[idx]`` and

@@ -284,6 +284,21 @@ def _counter_key():
     return (d, S._raw_stream(d))
 
 
+@pytest.fixture
+def poisoned_scratch(monkeypatch):
+    """torch.empty of float tensors returns NaN-filled memory (the split path's partials): a merge
+    that reads a partial before it is written sees NaN instead of a stale copy of an earlier call."""
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def _merge_inputs(T=5, H=5, topk=224):
     cache = _cache(nb=4)  # 64 slots
     q = torch.randn((T, H, 576), device=DEVICE).to(DT)
@@ -300,7 +315,7 @@ def _merge_inputs(T=5, H=5, topk=224):
 
 
 @pytest.mark.parametrize("merge", S.MERGE_MODES)
-def test_merge_many_splits_edge_rows(merge, seed):
+def test_merge_many_splits_edge_rows(merge, seed, poisoned_scratch):
     """7 splits of 32 slots: empty rows, a row whose splits are all empty but one, duplicates and
     out-of-range slots; both merges against the float64 reference and against each other."""
     cache, q, idx = _merge_inputs()
@@ -328,7 +343,7 @@ def test_merge_many_splits_edge_rows(merge, seed):
     assert not S._COUNTERS[_counter_key()].any()  # the fused merge left its counters at zero
 
 
-def test_fused_merge_repeated_calls_reuse_the_counters(monkeypatch, count_plans, seed):
+def test_fused_merge_repeated_calls_reuse_the_counters(monkeypatch, count_plans, seed, poisoned_scratch):
     """The cached plan with the fused merge: repeated calls (new inputs in between) reuse one
     zeroed counter buffer, give identical results for identical inputs, and leave it zero; two
     head blocks per row (H = 40 > BLOCK_H = 32 on this dispatch) have their own counters."""
