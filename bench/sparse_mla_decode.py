@@ -66,6 +66,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+MERGE_MODES = ("fused", "separate")  # kernels/triton_sparse_mla.py MERGE_MODES (pure Python here)
+
 from bench import common  # noqa: E402
 
 PEERS = common.PEERS
@@ -271,6 +273,18 @@ def bytes_moved(H: int, T: int, fmt: str, topk: int = TOPK) -> int:
     return T * topk * ROW_BYTES[fmt] + T * topk * 4 + T * H * 576 * 2 + T * H * 512 * 2 + T * H * 4
 
 
+def merge_bytes(H: int, T: int, num_splits: int, block_h: int) -> dict:
+    """Bytes of the split path's partial results (docs/notes/sparse_mla.md, "Merge"): written by
+    the split kernel (512 fp32 + an fp32 lse per (row, head, split)); read back by the separate
+    merge kernel, which also writes out (bf16) and lse; the fused merge reads the same partials, but
+    each (row, head block) in one program: ``fused_bytes_per_program`` is that program's share."""
+    partial = T * H * num_splits * (512 * 4 + 4)
+    out = T * H * (512 * 2 + 4)
+    heads = min(block_h, H)
+    return {"partials_written": partial, "separate_read": partial, "out_written": out,
+            "fused_programs": T * -(-H // block_h), "fused_bytes_per_program": num_splits * heads * (512 * 4 + 4)}
+
+
 def gather_bytes(T: int, fmt: str, topk: int = TOPK) -> int:
     """Bytes the pure gather reads: the same rows and the indices."""
     return T * topk * (ROW_BYTES[fmt] + 4)
@@ -334,9 +348,27 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
     plan = _make_plan(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, k_scale, outs[0], lses[0], num_splits, config)
     rec["config"] = {k: plan.meta[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "PREFETCH", "DS_FOLD")}
     rec["num_splits"] = plan.tail[-2]
+    rec["merge"] = plan.merge  # the merge behind "us": "fused" / "separate" (None: no split, no merge)
     rec["dispatch_cc"] = os.environ.get("GLM5_SPARSE_MLA_DISPATCH_CC") or "device"
 
     rec["us"] = common.time_graph(ours, args.rep)
+    if plan.merge:
+        # both merges of the split path at this point: "us_<merge>" (the dispatch's one is "us"),
+        # the other timed right after it under the same replay, checked against the reference too
+        rec["us_" + plan.merge] = rec["us"]
+        for m in MERGE_MODES:
+            if m == plan.merge:
+                continue
+            cfg_m = dict(config or {}, MERGE=m)
+            fns = [ours_fn(qs[i], cache, idx_sets[i], fmt, k_scale, outs[i], lses[i], cfg_m, num_splits)
+                   for i in range(n_sets)]
+            outs[0].fill_(float("nan"))
+            fns[0]()
+            rec["rel_err_" + m] = rel_err(outs[0], ro)
+            rec["nan_" + m] = bool(torch.isnan(outs[0]).any() or torch.isnan(lses[0]).any())
+            rec["us_" + m] = common.time_graph(fns, args.rep)
+        rec["rel_err_" + plan.merge] = rec["rel_err"]
+        rec["merge_bytes"] = merge_bytes(H, T, plan.tail[-2], plan.meta["BLOCK_H"])
     # host cost per eager call as the backend makes it (outputs allocated by the call)
     rec["host_us"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
                                             num_splits=num_splits), calls=args.host_calls)
@@ -592,6 +624,26 @@ def prefill_table(records: list[dict], proxy: bool = False) -> list[str]:
     return lines
 
 
+MERGE_COLUMNS = ("| format | H | T | splits | dispatch's merge | fused us | separate us | fused/separate | "
+                 "partials MB | fused MB per program | rel err fused | rel err separate |")
+
+
+def merge_table(records: list[dict], proxy: bool = False) -> list[str]:
+    """Both merges of the split path per measured point (records with ``us_fused``)."""
+    lines = [MERGE_COLUMNS, "|" + "---|" * (MERGE_COLUMNS.count("|") - 1)]
+    for r in records:
+        if bool(r.get("sm120_proxy")) != proxy or r.get("us_fused") is None:
+            continue
+        mb = r.get("merge_bytes") or {}
+        lines.append(f"| {r['kv_format']} | {r['heads']} | {r['tokens']} | {r.get('num_splits', '-')} | {r['merge']} | "
+                     f"{_f(r['us_fused'])} | {_f(r.get('us_separate'))} | "
+                     f"{_f(common.ratio(r['us_fused'], r.get('us_separate')), '{:.2f}')} | "
+                     f"{_f(mb.get('partials_written', 0) / 1e6, '{:.2f}')} | "
+                     f"{_f(mb.get('fused_bytes_per_program', 0) / 1e6, '{:.3f}')} | "
+                     f"{_f(r.get('rel_err_fused'), '{:.1e}')} | {_f(r.get('rel_err_separate'), '{:.1e}')} |")
+    return lines
+
+
 def record_key(r: dict) -> tuple:
     """What identifies a measurement across runs (a later run's record replaces it)."""
     if "context" in r:
@@ -637,6 +689,10 @@ def write_outputs(result: dict, out_dir: Path, stem: str, prefill: bool = False,
     lines = head + table(recs)
     if any(r.get("sm120_proxy") for r in recs):
         lines += ["", "SM120 proxy (DISABLE_MMA_V3=1, SM120 dispatch forced):", ""] + table(recs, proxy=True)
+    if not prefill and any(r.get("us_fused") is not None for r in recs):
+        lines += ["", "Merge of the split path, both variants (`us` above is the dispatch's):", ""] + merge_table(recs)
+        if any(r.get("us_fused") is not None and r.get("sm120_proxy") for r in recs):
+            lines += ["", "SM120 proxy:", ""] + merge_table(recs, proxy=True)
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return merged
 
@@ -733,7 +789,8 @@ def main(argv=None) -> int:
                 for f in formats:
                     for s in (False, True):
                         for t in sorted({1, max(args.tokens)}):
-                            warm.append((h, f, None, s, t))
+                            for m in (MERGE_MODES if s else (None,)):
+                                warm.append((h, f, {"MERGE": m} if m else None, s, t))
         result["compile_s"] = precompile(warm, args.jobs)
         print(f"precompiled {len(warm)} variants in {result['compile_s']:.1f}s", flush=True)
 
@@ -779,7 +836,9 @@ def main(argv=None) -> int:
             print(f"{f:10s} H={h:3d} T={t:3d}: ours {r['us']:7.1f} us | gather {r['gather_us']:6.1f} (x{r['kernel_over_gather']:.2f}) | "
                   f"FlashMLA {r.get('flashmla_us') or float('nan'):7.1f} (x{r.get('ratio_vs_flashmla') or float('nan'):.2f}) "
                   f"kernel {r.get('flashmla_kernel_us') or float('nan'):7.1f} (x{r.get('ratio_vs_flashmla_kernel') or float('nan'):.2f}) | "
-                  f"host {r['host_us']:5.1f} us | {r['pct_copy_bw']:3.0f}% copy BW | err {r['rel_err']:.1e}", flush=True)
+                  f"host {r['host_us']:5.1f} us | {r['pct_copy_bw']:3.0f}% copy BW | err {r['rel_err']:.1e}"
+                  + (f" | splits {r['num_splits']} merge {r['merge']}: fused {r['us_fused']:.1f} / separate "
+                     f"{r['us_separate']:.1f} us" if r.get("merge") else f" | splits {r['num_splits']}"), flush=True)
         last_cost = time.monotonic() - t0
         r["command"] = cmd
         r["sm120_proxy"] = args.sm120_proxy

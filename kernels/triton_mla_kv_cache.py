@@ -46,19 +46,7 @@ __all__ = [
     "SM120_COMPILE_SPECS",
 ]
 
-if __package__:
-    from . import mla_kv_format as _kvf
-else:  # loaded by file path, without its package (tools/sm120_check.py)
-    import importlib.util as _ilu
-    import sys as _sys
-    from pathlib import Path as _Path
-
-    _kvf = _sys.modules.get("_glm5_mla_kv_format")
-    if _kvf is None:
-        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
-        _kvf = _ilu.module_from_spec(_spec)
-        _sys.modules["_glm5_mla_kv_format"] = _kvf
-        _spec.loader.exec_module(_kvf)
+from . import mla_kv_format as _kvf
 
 LATENT_DIM = _kvf.LATENT_DIM
 ROPE_DIM = _kvf.ROPE_DIM

@@ -32,10 +32,12 @@ Conventions (shared with ``docs/CONVENTIONS.md``):
 
 Work split: one program handles one query row, ``BLOCK_H`` heads (padded to the MMA minimum of 16)
 and a contiguous range of the ``topk`` slots; when the grid ``T * ceil(H / BLOCK_H)`` would
-underfill the GPU the slots are split across ``num_splits`` programs and a second small kernel
-merges the partial results by their LSE. ``num_splits`` and every tile size are picked from shapes
-and the device only, so the call is CUDA-graph capturable (no host sync, no data-dependent
-allocation).
+underfill the GPU the slots are split across ``num_splits`` programs whose partial results are
+merged by their LSE, either by a second small kernel ("separate") or by the last program of each
+(row, head block) to finish ("fused": it counts arrivals in a persistent int32 buffer that it leaves
+at zero, so no per-call memset is needed). ``num_splits``, the merge and every tile size are picked
+from shapes and the device only, so the call is CUDA-graph capturable (no host sync, no
+data-dependent allocation).
 
 Host cost: the arguments are validated and the launch planned once per key (shapes, strides,
 dtypes, devices, scalars, 16-byte pointer alignment); later calls with that key allocate the
@@ -63,19 +65,7 @@ __all__ = [
     "SM120_COMPILE_SPECS",
 ]
 
-if __package__:
-    from . import mla_kv_format as _kvf
-else:  # loaded by file path, without its package (tools/sm120_check.py)
-    import importlib.util as _ilu
-    import sys as _sys
-    from pathlib import Path as _Path
-
-    _kvf = _sys.modules.get("_glm5_mla_kv_format")
-    if _kvf is None:
-        _spec = _ilu.spec_from_file_location("_glm5_mla_kv_format", _Path(__file__).with_name("mla_kv_format.py"))
-        _kvf = _ilu.module_from_spec(_spec)
-        _sys.modules["_glm5_mla_kv_format"] = _kvf
-        _spec.loader.exec_module(_kvf)
+from . import mla_kv_format as _kvf
 
 LATENT_DIM = _kvf.LATENT_DIM  # kv_lora_rank: V width and the quantized part of K
 ROPE_DIM = _kvf.ROPE_DIM  # qk_rope_head_dim
@@ -212,7 +202,7 @@ def _attend_tile(q0, q1, q2, q3, qr, r0, r1, r2, r3, rr, c0, c1, c2, c3, valid, 
 
 @triton.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits", "tiles_per_split"])
 def _sparse_mla_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, kscale_ptr,
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, kscale_ptr, cnt_ptr,
     qk_scale_log2,  # softmax_scale * log2(e) (times k_scale when it is a host float)
     v_scale,  # host float k_scale for fp8 (1.0 otherwise)
     num_heads, topk, num_slots, block_size,
@@ -225,6 +215,7 @@ def _sparse_mla_fwd_kernel(
     KV_FORMAT: tl.constexpr,
     KSCALE_FROM_PTR: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     DS_FOLD: tl.constexpr,
     PREFETCH: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -312,6 +303,21 @@ def _sparse_mla_fwd_kernel(
         tl.store(po + 2 * GROUP, acc2 * inv[:, None], mask=hmask[:, None])
         tl.store(po + 3 * GROUP, acc3 * inv[:, None], mask=hmask[:, None])
         tl.store(plse_ptr + prow, lse, mask=hmask)
+        if FUSED_MERGE:
+            # Arrival count of (row t, head block hb): the program that brings it to num_splits
+            # merges all partials and resets it to 0 (the buffer is zero again between calls).
+            # Ordering: the CTA barrier puts every thread's partial stores before the one thread's
+            # atomic, whose release (gpu scope) publishes them; the last arriver's acquire (same
+            # atomic) comes before the barrier that Triton places after a scalar atomic (its
+            # result is broadcast through shared memory) and so before every thread's reads of the
+            # other programs' partials, which also bypass L1 (.cg).
+            tl.debug_barrier()
+            cnt = cnt_ptr + (t * n_hb + hb)
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_partials(po_ptr, plse_ptr, out_ptr, lse_ptr, t, offs_h, hmask, num_heads, num_splits,
+                                stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     else:
         o_row = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
         OT = out_ptr.dtype.element_ty
@@ -320,6 +326,48 @@ def _sparse_mla_fwd_kernel(
         tl.store(o_row + (2 * GROUP + offs_d)[None, :] * stride_od, (acc2 * inv[:, None]).to(OT), mask=hmask[:, None])
         tl.store(o_row + (3 * GROUP + offs_d)[None, :] * stride_od, (acc3 * inv[:, None]).to(OT), mask=hmask[:, None])
         tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_partials(po_ptr, plse_ptr, out_ptr, lse_ptr, t, offs_h, hmask, num_heads, num_splits,
+                    stride_ot, stride_oh, stride_od, stride_lt, stride_lh):
+    """Fused merge (the last-arriving split program of a (row, head block)): out[t, offs_h] and
+    lse[t, offs_h] from the ``num_splits`` partial (o, lse) pairs, weights exp(lse_s - max)."""
+    GROUP: tl.constexpr = 128
+    DV: tl.constexpr = 512
+    base = (t.to(tl.int64) * num_heads + offs_h) * num_splits
+    m = tl.full(offs_h.shape, float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        ls = tl.load(plse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, ls)
+    finite = m > float("-inf")
+    m_safe = tl.where(finite, m, 0.0)
+    offs_d = tl.arange(0, GROUP)
+    wsum = tl.zeros(offs_h.shape, dtype=tl.float32)
+    o0 = tl.zeros([offs_h.shape[0], GROUP], dtype=tl.float32)
+    o1 = o0
+    o2 = o0
+    o3 = o0
+    for s in range(0, num_splits):
+        ls = tl.load(plse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(ls > float("-inf"), tl.exp(ls - m_safe), 0.0)
+        wsum += w
+        pp = po_ptr + (base + s)[:, None] * DV + offs_d[None, :]
+        hm = hmask[:, None]
+        o0 += w[:, None] * tl.load(pp + 0 * GROUP, mask=hm, other=0.0, cache_modifier=".cg")
+        o1 += w[:, None] * tl.load(pp + 1 * GROUP, mask=hm, other=0.0, cache_modifier=".cg")
+        o2 += w[:, None] * tl.load(pp + 2 * GROUP, mask=hm, other=0.0, cache_modifier=".cg")
+        o3 += w[:, None] * tl.load(pp + 3 * GROUP, mask=hm, other=0.0, cache_modifier=".cg")
+    inv = tl.where(finite, 1.0 / tl.where(finite, wsum, 1.0), 0.0)
+    OT = out_ptr.dtype.element_ty
+    o_row = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    hm = hmask[:, None]
+    tl.store(o_row + (0 * GROUP + offs_d)[None, :] * stride_od, (o0 * inv[:, None]).to(OT), mask=hm)
+    tl.store(o_row + (1 * GROUP + offs_d)[None, :] * stride_od, (o1 * inv[:, None]).to(OT), mask=hm)
+    tl.store(o_row + (2 * GROUP + offs_d)[None, :] * stride_od, (o2 * inv[:, None]).to(OT), mask=hm)
+    tl.store(o_row + (3 * GROUP + offs_d)[None, :] * stride_od, (o3 * inv[:, None]).to(OT), mask=hm)
+    lse = tl.where(finite, m_safe + tl.log(tl.where(finite, wsum, 1.0)), float("-inf"))
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -417,6 +465,66 @@ def _pick_config(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
             "DS_FOLD": False, "WAVES": 2}
 
 
+# Merge of the split path (docs/notes/sparse_mla.md, "Merge: fused vs separate"). "separate": the
+# split kernel writes fp32 partials (o, lse) and a second kernel merges them, one program per
+# (row, head, 128 columns). "fused": the split kernel's last-arriving program of each (row, head
+# block) merges them itself (an arrival counter per (row, head block) in a persistent zeroed
+# buffer): no second launch, no second pass over the partials from DRAM, but each merge is done by
+# one program alone. Cost model (bytes per program over one program's read rate vs. a launch gap
+# plus all partials over the device's bandwidth); estimates for the H200, to be refitted from the
+# bench's us_fused / us_separate.
+MERGE_MODES = ("fused", "separate")
+_MERGE_PROGRAM_BYTES_PER_US = 100e3  # one program (one SM) reading partials from L2: ~100 GB/s
+_MERGE_DEVICE_BYTES_PER_US = 3.0e6  # the separate merge over all partials: ~3 TB/s
+_MERGE_LAUNCH_US = 2.0  # the second launch and the gap before it under CUDA-graph replay
+_PARTIAL_ROW_BYTES = LATENT_DIM * 4 + 4  # one (head, split) partial: 512 fp32 + its lse
+
+
+def _pick_merge(num_tokens: int, num_heads: int, block_h: int, num_splits: int, num_sms: int) -> str:
+    """"fused" or "separate" for a split launch (shapes and SM count only: CUDA-graph safe).
+
+    The fused merge of one (row, head block) reads ``num_splits * heads_in_block`` partials in
+    one program; those merges run ``ceil(T * head_blocks / SMs)`` deep. The separate merge spreads
+    the same bytes over ``T * H * 4`` programs but costs a second launch."""
+    n_hb = triton.cdiv(num_heads, block_h)
+    heads = min(block_h, num_heads)
+    per_prog = num_splits * heads * _PARTIAL_ROW_BYTES
+    programs = num_tokens * n_hb
+    fused_us = per_prog / _MERGE_PROGRAM_BYTES_PER_US * triton.cdiv(programs, max(1, num_sms))
+    separate_us = _MERGE_LAUNCH_US + programs * per_prog / _MERGE_DEVICE_BYTES_PER_US
+    return "fused" if fused_us <= separate_us else "separate"
+
+
+def _merge_override() -> str | None:
+    """``GLM5_SPARSE_MLA_MERGE`` (``fused`` / ``separate``) forces the merge of split launches
+    (profiling both in a served model); read when a plan is made."""
+    env = os.environ.get("GLM5_SPARSE_MLA_MERGE", "")
+    if not env:
+        return None
+    if env not in MERGE_MODES:
+        raise ValueError(f"GLM5_SPARSE_MLA_MERGE must be one of {MERGE_MODES}, got {env!r}")
+    return env
+
+
+# Arrival counters of the fused merge: one int32 per (row, head block), zero between calls (the
+# last arriver resets its counter). One buffer per (device, stream): calls on one stream are
+# ordered, so they can share it; a CUDA graph keeps the pointer of the buffer current at capture.
+# Buffers are never freed (a captured graph may still point at one that was outgrown).
+_COUNTERS: dict = {}
+_RETIRED_COUNTERS: list = []
+
+
+def _counters(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
+    key = (dev_index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
+        buf = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, num_sms: int,
                      waves: float = 1.0) -> int:
     """Split the top-k range across programs when T * head-blocks would underfill the GPU
@@ -442,7 +550,7 @@ class _Plan:
     calls launch directly (no Triton argument binding, specialization or cache lookup)."""
 
     __slots__ = ("device", "dev_index", "out_dtype", "out_shape", "lse_shape", "po_shape", "plse_shape",
-                 "plse_offset", "scratch_numel",
+                 "plse_offset", "scratch_numel", "merge", "fused", "cnt_numel",
                  "kv_squeeze", "kv_u8", "kscale_from_ptr", "split", "grid", "tail", "consts", "meta",
                  "merge_grid", "merge_tail", "merge_consts", "merge_meta", "kernel", "merge_kernel")
 
@@ -516,6 +624,7 @@ def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse
     p.kscale_from_ptr = kscale_from_ptr
     p.kernel = p.merge_kernel = None
     p.split, p.grid = False, None
+    p.merge, p.fused, p.cnt_numel = None, False, 0
     if q.is_cuda:
         p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         major, _, num_sms = _device_props(p.dev_index)
@@ -536,6 +645,11 @@ def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse
     tiles_per_split = triton.cdiv(n_tiles, num_splits)
     num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
     p.split = num_splits > 1
+    if p.split:
+        merge = cfg.get("MERGE") or _merge_override() or _pick_merge(T, H, bh, num_splits, num_sms)
+        if merge not in MERGE_MODES:
+            raise ValueError(f"config MERGE must be one of {MERGE_MODES}, got {merge!r}")
+        p.merge, p.fused, p.cnt_numel = merge, merge == "fused", T * n_hb
     p.po_shape, p.plse_shape = (T, H, num_splits, LATENT_DIM), (T, H, num_splits)
     p.plse_offset = T * H * num_splits * LATENT_DIM * 4  # bytes; a multiple of 16
     p.scratch_numel = T * H * num_splits * (LATENT_DIM + 1)
@@ -546,7 +660,7 @@ def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               num_splits, tiles_per_split)
-    consts = dict(KV_FORMAT=code, KSCALE_FROM_PTR=kscale_from_ptr, SPLIT=p.split,
+    consts = dict(KV_FORMAT=code, KSCALE_FROM_PTR=kscale_from_ptr, SPLIT=p.split, FUSED_MERGE=p.fused,
                   DS_FOLD=bool(cfg["DS_FOLD"]) and code == _FMT_DS_MLA, PREFETCH=bool(cfg.get("PREFETCH", True)),
                   BLOCK_H=bh, BLOCK_N=bn)
     p.consts = tuple(consts.values())  # in the kernel's parameter order
@@ -598,10 +712,11 @@ def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bo
         else:
             pp, plp = op, lp  # unused by the kernel
         stream = _raw_stream(p.dev_index)
+        cp = _counters(p.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else lp
         k.run(p.grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
               q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp,
-              k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.tail, *p.consts)
-        if p.split:
+              k_scale.data_ptr() if p.kscale_from_ptr else lp, cp, *p.tail, *p.consts)
+        if p.split and not p.fused:
             m = p.merge_kernel
             m.run(p.merge_grid, 1, 1, stream, m.function, m.packed_metadata, None, None, None,
                   pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
@@ -617,13 +732,18 @@ def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bo
     kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
     if p.kv_u8:
         kv = kv.view(torch.uint8)
-    k = _sparse_mla_fwd_kernel[(p.grid,)](q, kv, indices, out, lse, po, plse, ks, *p.tail, **p.meta)
+    if p.fused:
+        stream = _raw_stream(p.dev_index) if q.is_cuda else 0
+        cnt = _counters(p.device, p.dev_index, stream, p.cnt_numel)
+    else:
+        cnt = lse  # unused by the kernel
+    k = _sparse_mla_fwd_kernel[(p.grid,)](q, kv, indices, out, lse, po, plse, ks, cnt, *p.tail, **p.meta)
     m = None
-    if p.split:
+    if p.split and not p.fused:
         m = _sparse_mla_merge_kernel[(p.merge_grid,)](po, plse, out, lse, *p.merge_tail, **p.merge_meta)
     if cache_kernels and q.is_cuda and p.kernel is None:
         k, m = _compiled(k), _compiled(m)
-        if k is not None and (m is not None or not p.split):
+        if k is not None and (m is not None or not p.split or p.fused):
             p.merge_kernel = m
             p.kernel = k
     return out, lse
@@ -695,7 +815,9 @@ def sparse_mla_decode(
         validate: debug only: check index ranges on the host (synchronizes; not capturable) and
             raise ``ValueError`` on an index >= num_blocks * block_size.
         config: tuning only: override the dispatch's tile config (keys BLOCK_H, BLOCK_N,
-            num_warps, num_stages, DS_FOLD, PREFETCH, WAVES).
+            num_warps, num_stages, DS_FOLD, PREFETCH, WAVES) and the merge of a split launch
+            (MERGE ``"fused"`` / ``"separate"``; ``GLM5_SPARSE_MLA_MERGE`` does the same for every
+            plan made while it is set).
 
     Returns:
         ``(out, lse)``: ``out[t, h] = softmax(softmax_scale * q[t, h] . K[idx]) @ V[idx]`` and
@@ -779,13 +901,17 @@ def sparse_mla_decode_reference(
 # --------------------------------------------------------------------------------------------
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+# Launch variants of the decode kernel: no split; split + separate merge; split + fused merge
+# (every split launch can take either merge: _pick_merge by shape, or config / GLM5_SPARSE_MLA_MERGE).
+_SPLIT_VARIANTS = ((False, False), (True, False), (True, True))
 
 
 def SM120_COMPILE_SPECS() -> list[dict]:
     """Every kernel configuration the dispatch can choose on SM120/SM121 (see tools/sm120_check.py).
 
     Enumerates head counts 1..128 through ``_pick_config(H, 12)``, the three cache formats, both q
-    dtypes, the split and non-split variants, plus the merge kernel. Integer arguments that the
+    dtypes, the launch variants of ``_SPLIT_VARIANTS`` (no split, split with the separate merge,
+    split with the fused merge), plus the merge kernel. Integer arguments that the
     runtime specializes (divisible by 16: pointers, strides, sizes) are declared so, and strides
     equal to 1 as the constexpr 1 that Triton's launcher uses.
     """
@@ -798,11 +924,12 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     for (bh, bn, nw, ns, fold, pref) in sorted(configs):
         for qdt, qt in _PTR_TYPES.items():
             for code, fmt in ((_FMT_DS_MLA, "fp8_ds_mla"), (_FMT_FP8, "fp8"), (_FMT_16BIT, "auto")):
-                for split in (False, True):
+                for split, fused in _SPLIT_VARIANTS:
                     kvt = "*u8" if code != _FMT_16BIT else qt
                     sig = {
                         "q_ptr": qt, "kv_ptr": kvt, "idx_ptr": "*i32", "out_ptr": qt, "lse_ptr": "*fp32",
                         "po_ptr": "*fp32", "plse_ptr": "*fp32", "kscale_ptr": "*fp32",
+                        "cnt_ptr": "*i32" if fused else "*fp32",
                         "qk_scale_log2": "fp32", "v_scale": "fp32",
                         "num_heads": "i32", "topk": "i32", "num_slots": "i32", "block_size": "i32",
                         "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
@@ -812,20 +939,21 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                         "stride_lt": "i32", "stride_lh": "constexpr",
                         "num_splits": "i32", "tiles_per_split": "i32",
                         "KV_FORMAT": "constexpr", "KSCALE_FROM_PTR": "constexpr", "SPLIT": "constexpr",
-                        "DS_FOLD": "constexpr", "PREFETCH": "constexpr", "BLOCK_H": "constexpr",
+                        "FUSED_MERGE": "constexpr", "DS_FOLD": "constexpr", "PREFETCH": "constexpr", "BLOCK_H": "constexpr",
                         "BLOCK_N": "constexpr",
                     }
                     specs.append({
                         "name": f"sparse_mla_fwd[{fmt},{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},s={ns},"
-                                f"fold={int(fold and code == _FMT_DS_MLA)},prefetch={int(pref)},split={int(split)}]",
+                                f"fold={int(fold and code == _FMT_DS_MLA)},prefetch={int(pref)},split={int(split)}"
+                                + (f",merge={'fused' if fused else 'separate'}]" if split else "]"),
                         "fn": _sparse_mla_fwd_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                                        "KV_FORMAT": code, "KSCALE_FROM_PTR": code == _FMT_FP8,
-                                       "SPLIT": split, "DS_FOLD": fold and code == _FMT_DS_MLA, "PREFETCH": pref,
+                                       "SPLIT": split, "FUSED_MERGE": fused, "DS_FOLD": fold and code == _FMT_DS_MLA, "PREFETCH": pref,
                                        "BLOCK_H": bh, "BLOCK_N": bn},
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr",
-                                            "kscale_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
+                                            "kscale_ptr", "cnt_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],
                         "num_warps": nw,
                         "num_stages": ns,

@@ -52,18 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # inside vLLM: vllm/v1/attention/ops/; standalone: the kernels/ namespace package
-    from . import triton_sparse_mla as _v1
-except ImportError:  # pragma: no cover - imported as a top-level module (tools/sm120_check.py)
-    import importlib.util as _ilu
-    import pathlib as _pl
-    import sys as _sys
-
-    _p = _pl.Path(__file__).with_name("triton_sparse_mla.py")
-    _spec = _ilu.spec_from_file_location("_triton_sparse_mla_for_v2", _p)
-    _v1 = _ilu.module_from_spec(_spec)
-    _sys.modules[_spec.name] = _v1
-    _spec.loader.exec_module(_v1)
+from . import triton_sparse_mla as _v1  # vllm/v1/attention/ops/ inside vLLM; the kernels/ package here
 
 try:
     from triton.experimental import gluon

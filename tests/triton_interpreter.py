@@ -27,6 +27,8 @@ if os.environ.get("GLM5_FORCE_INTERPRET") == "1":
 elif "TRITON_INTERPRET" not in os.environ and not _HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Where the kernel tests put their tensors: CUDA with compiled Triton, else the CPU (interpreter).
+DEVICE = "cuda" if (_HAS_CUDA and not INTERPRET) else "cpu"
 
 
 def _fix_old_interpreter_index() -> None:

@@ -92,6 +92,37 @@ def test_derive_ratios_fixed():
     assert common.ratio(1.0, 0.0) is None and common.ratio(None, 2.0) is None
 
 
+def test_merge_bytes_fixed():
+    # H=64, T=16 (the end-to-end profile's shape), 16 splits of one 64-head block
+    mb = B.merge_bytes(64, 16, 16, 64)
+    assert mb["partials_written"] == mb["separate_read"] == 16 * 64 * 16 * 2052 == 33619968
+    assert mb["out_written"] == 16 * 64 * 1028 and mb["fused_programs"] == 16
+    assert mb["fused_bytes_per_program"] == 16 * 64 * 2052
+    # H=8 in a 16-head block: the fused program reads the 8 real heads' partials only
+    assert B.merge_bytes(8, 1, 64, 16)["fused_bytes_per_program"] == 64 * 8 * 2052
+    assert B.MERGE_MODES == __import__("kernels.triton_sparse_mla", fromlist=["x"]).MERGE_MODES
+
+
+def test_merge_table_and_md_output(tmp_path):
+    recs = [_rec("fp8_ds_mla", 8, 1, 10.0), _rec("fp8_ds_mla", 8, 128, 170.0), _rec("fp8_ds_mla", 64, 128, 300.0)]
+    recs[0].update(merge="separate", num_splits=64, us_separate=10.0, us_fused=14.0, rel_err_fused=4.5e-3,
+                   rel_err_separate=4.4e-3, merge_bytes=B.merge_bytes(8, 1, 64, 16))
+    recs[1].update(merge="fused", num_splits=2, us_fused=170.0, us_separate=173.4, rel_err_fused=4.4e-3,
+                   rel_err_separate=4.4e-3, merge_bytes=B.merge_bytes(8, 128, 2, 16))
+    recs[2].update(merge=None, num_splits=1)  # no split: no merge row
+    lines = B.merge_table(recs)
+    assert lines[0] == B.MERGE_COLUMNS and len(lines) == 4
+    assert lines[2] == "| fp8_ds_mla | 8 | 1 | 64 | separate | 14.0 | 10.0 | 1.40 | 1.05 | 1.051 | 4.5e-03 | 4.4e-03 |"
+    assert lines[3].startswith("| fp8_ds_mla | 8 | 128 | 2 | fused | 170.0 | 173.4 | 0.98 |")
+    # the decode table (and so the README's) is unchanged by the new keys
+    assert B.decode_table(recs)[2] == B.decode_table([_rec("fp8_ds_mla", 8, 1, 10.0)])[2]
+    B.write_outputs(_result(recs, "python bench/sparse_mla_decode.py"), tmp_path, "d")
+    md = (tmp_path / "d.md").read_text()
+    assert "Merge of the split path, both variants" in md and lines[2] in md
+    B.write_outputs(_result([_rec("fp8_ds_mla", 8, 1, 10.0)], "python bench/sparse_mla_decode.py"), tmp_path, "e")
+    assert "Merge of the split path" not in (tmp_path / "e.md").read_text()  # an old results file
+
+
 def test_flashmla_padding_rule():
     assert [B.flashmla_padded_heads(h) for h in (1, 8, 64, 65, 128)] == [64, 64, 64, 128, 128]
 

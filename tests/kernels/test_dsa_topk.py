@@ -16,8 +16,7 @@ import sys  # noqa: E402
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "kernels"))
-from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET  # noqa: E402
-DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
+from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, DEVICE, INTERPRET  # noqa: E402
 # ------------------------------------------------------------------------------------------------
 
 import triton_dsa_topk as T  # noqa: E402

@@ -5,7 +5,6 @@ and on the GPU vs vLLM's own compiled writer kernels (0.26.0 and 0.33.0 cubins, 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,9 @@ from kernels.triton_mla_kv_cache import (
     mla_kv_cache_write_reference,
     write_config,
 )
+from tests.triton_interpreter import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 WIDTH = {"fp8_ds_mla": 656, "fp8": 576, "fp8_e4m3": 576}
 
 
@@ -96,35 +95,35 @@ def _check(fmt, dtype, n, nb, bs, device, strided=False, scale_format="arbitrary
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_write_matches_reference(fmt, dtype, config, seed):
     ks = 0.05 if fmt == "fp8" else None
-    _check(fmt, dtype, 13, 4, 16, DEV, k_scale=ks, config=config)
+    _check(fmt, dtype, 13, 4, 16, DEVICE, k_scale=ks, config=config)
 
 
 def test_write_config_dispatch():
     # decode-sized batches split each row over 5 programs, prefill-sized ones write whole rows
     assert write_config(1) == write_config(WRITE_SPLIT_MAX_TOKENS) == WRITE_CONFIGS["split"]
     assert write_config(WRITE_SPLIT_MAX_TOKENS + 1) == write_config(16384) == WRITE_CONFIGS["rows"]
-    kv_c, k_pe = _inputs(2, torch.float16, DEV, False)
-    cache = _cache("fp8_ds_mla", 1, 16, torch.float16, DEV)
+    kv_c, k_pe = _inputs(2, torch.float16, DEVICE, False)
+    cache = _cache("fp8_ds_mla", 1, 16, torch.float16, DEVICE)
     with pytest.raises(ValueError, match="config must be one of"):
-        mla_kv_cache_write(kv_c, k_pe, cache, torch.arange(2, device=DEV), "fp8_ds_mla", config="fast")
+        mla_kv_cache_write(kv_c, k_pe, cache, torch.arange(2, device=DEVICE), "fp8_ds_mla", config="fast")
 
 
 def test_write_pow2_scales_and_strided_views(seed):
-    _check("fp8_ds_mla", torch.bfloat16, 11, 3, 16, DEV, strided=True, scale_format="pow2_fp32")
-    _check("fp8", torch.bfloat16, 9, 3, 16, DEV, strided=True, k_scale=torch.tensor([0.03], device=DEV))
+    _check("fp8_ds_mla", torch.bfloat16, 11, 3, 16, DEVICE, strided=True, scale_format="pow2_fp32")
+    _check("fp8", torch.bfloat16, 9, 3, 16, DEVICE, strided=True, k_scale=torch.tensor([0.03], device=DEVICE))
 
 
 def test_write_scale_edge_cases():
     """All-zero group (FLT_MIN / 2^-13 scale), saturation, ties of the e4m3 rounding."""
     n = 4
-    kv_c = torch.zeros((n, 512), dtype=torch.bfloat16, device=DEV)
+    kv_c = torch.zeros((n, 512), dtype=torch.bfloat16, device=DEVICE)
     kv_c[1, :128] = 336.0  # 336/448 = 0.75 -> pow2 scale 1.0
     kv_c[2] = torch.linspace(-3, 3, 512).to(torch.bfloat16)
     kv_c[3, 5] = -1e30
-    k_pe = torch.randn((n, 64), device=DEV).to(torch.bfloat16)
-    slots = torch.arange(n, device=DEV, dtype=torch.int64)
+    k_pe = torch.randn((n, 64), device=DEVICE).to(torch.bfloat16)
+    slots = torch.arange(n, device=DEVICE, dtype=torch.int64)
     for sf in ("arbitrary_fp32", "pow2_fp32"):
-        a = _cache("fp8_ds_mla", 1, 16, torch.bfloat16, DEV)
+        a = _cache("fp8_ds_mla", 1, 16, torch.bfloat16, DEVICE)
         b = a.clone()
         mla_kv_cache_write(kv_c, k_pe, a, slots, "fp8_ds_mla", ds_scale_format=sf)
         mla_kv_cache_write_reference(kv_c, k_pe, b, slots, "fp8_ds_mla", ds_scale_format=sf)
@@ -135,16 +134,16 @@ def test_write_scale_edge_cases():
         else:
             assert float(sc[0, 0]) == 1.1754943508222875e-38 and float(sc[1, 0]) == 0.75
     # fp8 per-tensor: values beyond 448 * k_scale saturate to +-448
-    a = _cache("fp8", 1, 16, torch.bfloat16, DEV)
+    a = _cache("fp8", 1, 16, torch.bfloat16, DEVICE)
     mla_kv_cache_write(kv_c, k_pe, a, slots, "fp8", 0.5)
     assert int(a[0, 3, 5]) == 0xFE  # -448
 
 
 def test_write_out_of_range_slot_and_errors():
-    kv_c, k_pe = _inputs(3, torch.bfloat16, DEV)
-    a = _cache("fp8_ds_mla", 2, 16, torch.bfloat16, DEV)
+    kv_c, k_pe = _inputs(3, torch.bfloat16, DEVICE)
+    a = _cache("fp8_ds_mla", 2, 16, torch.bfloat16, DEVICE)
     before = a.clone()
-    slots = torch.tensor([32, 40, -5], device=DEV, dtype=torch.int64)  # 32, 40 >= 2 * 16
+    slots = torch.tensor([32, 40, -5], device=DEVICE, dtype=torch.int64)  # 32, 40 >= 2 * 16
     mla_kv_cache_write(kv_c, k_pe, a, slots, "fp8_ds_mla")
     assert torch.equal(a, before)  # nothing written, nothing outside the pool touched
     with pytest.raises(ValueError, match="slot"):
@@ -164,7 +163,7 @@ def test_write_out_of_range_slot_and_errors():
        sf=st.sampled_from(["arbitrary_fp32", "pow2_fp32"]))
 def test_write_property(n, bs, fmt, sf):
     nb = max(1, -(-n // bs)) + 1
-    _check(fmt, torch.bfloat16, n, nb, bs, DEV, scale_format=sf, k_scale=0.07 if fmt == "fp8" else None)
+    _check(fmt, torch.bfloat16, n, nb, bs, DEVICE, scale_format=sf, k_scale=0.07 if fmt == "fp8" else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,7 +253,7 @@ def test_gather_dequant_matches_reference(fmt, kscale_tensor, seed):
     """Two requests of different lengths (one not a block multiple, one spanning blocks of a
     shuffled table) land at their workspace offsets, bit-identical to the reference; rows outside
     the requests stay untouched; a zero-length request writes nothing."""
-    dev = DEV
+    dev = DEVICE
     dt = torch.bfloat16 if dev == "cuda" else torch.float16  # the interpreter: fp16 (see test_sparse_mla.py)
     nb, bs = 6, 16
     ks = 0.05

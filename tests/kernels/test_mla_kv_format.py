@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -137,16 +136,21 @@ def test_dequantize_rows_inverts_the_writer(kv_format, model_dtype, seed):
 
 
 def test_kernels_load_by_file_path():
-    """tools/sm120_check.py imports kernel files by path, without their package: the shared
-    format module must still resolve (loaded beside the file)."""
-    for stem in ("triton_sparse_mla", "triton_mla_kv_cache"):
-        name = f"_test_by_path_{stem}"
-        spec = importlib.util.spec_from_file_location(name, ROOT / "kernels" / f"{stem}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            spec.loader.exec_module(mod)
-            assert mod._kvf.kv_cache_row_bytes("fp8_ds_mla") == 656
-            assert mod.LATENT_DIM == 512 and mod.HEAD_DIM == 576
-        finally:
-            del sys.modules[name]
+    """tools/sm120_check.py imports kernel files by path as modules of a package named after
+    their folder (load_module), so the kernels' plain relative imports resolve there as in
+    kernels/ and inside vLLM; the kernel files carry no by-path import fallback of their own."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import sm120_check
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for stem in ("triton_sparse_mla", "triton_mla_kv_cache", "triton_sparse_mla_v2"):
+        text = (ROOT / "kernels" / f"{stem}.py").read_text()
+        assert "spec_from_file_location" not in text and "__package__" not in text, stem
+        mod = sm120_check.load_module(ROOT / "kernels" / f"{stem}.py")
+        assert mod.__package__ and mod.__name__.endswith("." + stem)
+        v1 = mod if stem != "triton_sparse_mla_v2" else mod._v1
+        kvf = getattr(v1, "_kvf", None) or mod._kvf
+        assert kvf.kv_cache_row_bytes("fp8_ds_mla") == 656 and kvf.__name__ == f"{mod.__package__}.mla_kv_format"
+        if stem != "triton_mla_kv_cache":
+            assert v1.LATENT_DIM == 512 and v1.HEAD_DIM == 576

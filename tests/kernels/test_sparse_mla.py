@@ -4,8 +4,6 @@ interpreter's bf16 tl.dot is wrong under Triton 3.6 + CPU torch), GPU at GLM-5 s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,9 +12,8 @@ from hypothesis import strategies as st
 from kernels import mla_kv_format
 from kernels.triton_mla_kv_cache import mla_kv_cache_write, mla_kv_cache_write_reference
 from kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+from tests.triton_interpreter import DEVICE
 
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEV = "cuda" if GPU else "cpu"
 SCALE = 256 ** -0.5
 
 
@@ -114,17 +111,17 @@ def check(q, cache, idx, fmt, k_scale=None, num_splits=None, tol=None, out=None,
 # CPU (interpreter) or GPU: small shapes and edge cases
 # --------------------------------------------------------------------------------------------
 
-DT = torch.bfloat16 if GPU else torch.float16
+DT = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "auto"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_small_formats_and_splits(fmt, num_splits, seed):
     nb, bs, T, H, topk = 5, 16, 3, 5, 40
-    ks = torch.tensor([0.05], device=DEV) if fmt == "fp8" else None
-    cache = make_cache(fmt, nb, bs, DT, DEV, ks)
-    q = torch.randn((T, H, 576), device=DEV).to(DT)
-    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    ks = torch.tensor([0.05], device=DEVICE) if fmt == "fp8" else None
+    cache = make_cache(fmt, nb, bs, DT, DEVICE, ks)
+    q = torch.randn((T, H, 576), device=DEVICE).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEVICE, dtype=torch.int32)
     idx[0, :11] = -1  # padding
     idx[2, 7] = idx[2, 8]  # duplicate
     check(q, cache, idx, fmt, ks, num_splits)
@@ -132,9 +129,9 @@ def test_small_formats_and_splits(fmt, num_splits, seed):
 
 def test_edge_rows_duplicates_out_of_range(seed):
     nb, bs, T, H, topk = 4, 16, 4, 3, 33
-    cache = make_cache("fp8_ds_mla", nb, bs, DT, DEV)
-    q = torch.randn((T, H, 576), device=DEV).to(DT)
-    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    cache = make_cache("fp8_ds_mla", nb, bs, DT, DEVICE)
+    q = torch.randn((T, H, 576), device=DEVICE).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEVICE, dtype=torch.int32)
     idx[1] = -1  # no valid index: zeros and -inf
     idx[2, :] = 17  # one slot, 33 times: weight of each copy counts
     idx[3, :5] = nb * bs + 3  # out of range: contributes nothing (like -1)
@@ -143,7 +140,7 @@ def test_edge_rows_duplicates_out_of_range(seed):
         check(q, cache, idx, "fp8_ds_mla", num_splits=ns)
     # duplicates really count: lse([5, 5, 9]) = logaddexp(lse([5, 9]), lse([5]))
     def one(ix):
-        return sparse_mla_decode(q[:1], cache, torch.tensor([ix], device=DEV, dtype=torch.int32), SCALE, "fp8_ds_mla")[1]
+        return sparse_mla_decode(q[:1], cache, torch.tensor([ix], device=DEVICE, dtype=torch.int32), SCALE, "fp8_ds_mla")[1]
     assert torch.allclose(one([5, 5, 9]), torch.logaddexp(one([5, 9, -1]), one([5, -1, -1])), atol=1e-3)
     with pytest.raises(ValueError, match="slots"):
         sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", validate=True)
@@ -152,31 +149,31 @@ def test_edge_rows_duplicates_out_of_range(seed):
 def test_strided_views_and_float_kscale(seed):
     """q, indices, out and lse as non-contiguous views (as vLLM hands them over); k_scale a float."""
     nb, bs, T, H, topk = 4, 16, 3, 6, 24
-    cache = make_cache("fp8", nb, bs, DT, DEV, 0.04)
-    qbig = torch.randn((T, H + 2, 600), device=DEV).to(DT)
+    cache = make_cache("fp8", nb, bs, DT, DEVICE, 0.04)
+    qbig = torch.randn((T, H + 2, 600), device=DEVICE).to(DT)
     q = qbig[:, 1:H + 1, 10:586]
-    ibig = torch.randint(0, nb * bs, (T, 2 * topk), device=DEV, dtype=torch.int32)
+    ibig = torch.randint(0, nb * bs, (T, 2 * topk), device=DEVICE, dtype=torch.int32)
     idx = ibig[:, ::2]
-    out = torch.empty((T, 512, H), device=DEV, dtype=DT).transpose(1, 2)
-    lse = torch.empty((H, T), device=DEV, dtype=torch.float32).t()  # vLLM's merge_attn_states layout
+    out = torch.empty((T, 512, H), device=DEVICE, dtype=DT).transpose(1, 2)
+    lse = torch.empty((H, T), device=DEVICE, dtype=torch.float32).t()  # vLLM's merge_attn_states layout
     check(q, cache, idx, "fp8", 0.04, out=out, lse=lse)
 
 
 def test_kv_cache_views_and_block_size(seed):
     """A cache that is a view into a bigger allocation (block stride != block_size * W), 4-D form."""
     nb, bs, T, H, topk = 3, 64, 2, 4, 50
-    big = torch.zeros((nb, bs + 16, 656), dtype=torch.uint8, device=DEV)
+    big = torch.zeros((nb, bs + 16, 656), dtype=torch.uint8, device=DEVICE)
     cache = big[:, :bs]
-    cache.copy_(make_cache("fp8_ds_mla", nb, bs, DT, DEV))
-    q = torch.randn((T, H, 576), device=DEV).to(DT)
-    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
+    cache.copy_(make_cache("fp8_ds_mla", nb, bs, DT, DEVICE))
+    q = torch.randn((T, H, 576), device=DEVICE).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEVICE, dtype=torch.int32)
     check(q, cache.unsqueeze(2), idx, "fp8_ds_mla")
 
 
 def test_errors():
-    cache = torch.zeros((2, 16, 656), dtype=torch.uint8, device=DEV)
-    q = torch.zeros((1, 2, 576), dtype=DT, device=DEV)
-    idx = torch.zeros((1, 4), dtype=torch.int32, device=DEV)
+    cache = torch.zeros((2, 16, 656), dtype=torch.uint8, device=DEVICE)
+    q = torch.zeros((1, 2, 576), dtype=DT, device=DEVICE)
+    idx = torch.zeros((1, 4), dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="kv_format"):
         sparse_mla_decode(q, cache, idx, SCALE, "int4")
     with pytest.raises(ValueError, match="rows of 576"):
@@ -187,7 +184,7 @@ def test_errors():
         sparse_mla_decode(q.float(), cache, idx, SCALE, "fp8_ds_mla")
     with pytest.raises(ValueError, match="cache, got|must match q dtype"):
         other = torch.float16 if DT == torch.bfloat16 else torch.bfloat16
-        sparse_mla_decode(q, torch.zeros((2, 16, 576), dtype=other, device=DEV), idx, SCALE, "auto")
+        sparse_mla_decode(q, torch.zeros((2, 16, 576), dtype=other, device=DEVICE), idx, SCALE, "auto")
     out, lse = sparse_mla_decode(q[:0], cache, idx[:0], SCALE, "fp8_ds_mla")
     assert out.shape == (0, 2, 512) and lse.shape == (0, 2)
 
@@ -197,10 +194,10 @@ def test_errors():
        splits=st.sampled_from([None, 1, 2, 5]), pad=st.floats(0.0, 0.6))
 def test_property_shapes(T, H, topk, fmt, splits, pad):
     nb, bs = 3, 16
-    cache = make_cache(fmt, nb, bs, DT, DEV, 0.06 if fmt == "fp8" else None)
-    q = torch.randn((T, H, 576), device=DEV).to(DT)
-    idx = torch.randint(0, nb * bs, (T, topk), device=DEV, dtype=torch.int32)
-    idx[torch.rand((T, topk), device=DEV) < pad] = -1
+    cache = make_cache(fmt, nb, bs, DT, DEVICE, 0.06 if fmt == "fp8" else None)
+    q = torch.randn((T, H, 576), device=DEVICE).to(DT)
+    idx = torch.randint(0, nb * bs, (T, topk), device=DEVICE, dtype=torch.int32)
+    idx[torch.rand((T, topk), device=DEVICE) < pad] = -1
     check(q, cache, idx, fmt, 0.06 if fmt == "fp8" else None, splits)
 
 
@@ -309,7 +306,52 @@ def test_gpu_prefill_many_rows(seed):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture(seed):
+@pytest.mark.parametrize("merge", ["fused", "separate"])
+@pytest.mark.parametrize("H", [8, 64, 128])
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_gpu_merge_variants(merge, H, T, seed):
+    """Both merges of the split path at GLM-5 shapes: the dispatch's split count and 32 splits."""
+    nb, bs, topk = 512, 64, 2048
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(nb * bs, device="cuda")[:topk] for _ in range(T)]).to(torch.int32)
+    idx[0, -300:] = -1
+    if T > 1:
+        idx[1] = -1  # empty row
+    if T > 2:
+        idx[2, :] = -1
+        idx[2, 1000:1010] = 77  # one split with rows, the others empty
+    for ns in (None, 32):
+        check(q, cache, idx, "fp8_ds_mla", num_splits=ns, config={"MERGE": merge})
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_deterministic_and_counters_zero(seed):
+    """Many rows x 32 splits racing on their arrival counters: 30 calls give bit-identical results
+    (the merge order does not depend on which program arrives last) and the counters are zero
+    after every call."""
+    import kernels.triton_sparse_mla as S
+
+    nb, bs, T, H = 256, 64, 96, 8
+    cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-100, nb * bs, (T, 2048), device="cuda", dtype=torch.int32)
+    o0, l0 = sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=32, config={"MERGE": "fused"})
+    for _ in range(30):
+        o, l = sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=32, config={"MERGE": "fused"})
+        assert torch.equal(o, o0) and torch.equal(l, l0)
+    torch.cuda.synchronize()
+    assert not any(b.any() for b in S._COUNTERS.values())
+    check(q, cache, idx, "fp8_ds_mla", num_splits=32, config={"MERGE": "fused"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["fused", "separate"])
+def test_gpu_cuda_graph_capture(merge, seed, monkeypatch):
+    import kernels.triton_sparse_mla as S
+
+    monkeypatch.setenv("GLM5_SPARSE_MLA_MERGE", merge)
+    S._PLANS.clear()
     nb, bs, T, H = 256, 64, 2, 8
     cache = make_cache("fp8_ds_mla", nb, bs, torch.bfloat16, "cuda")
     q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
@@ -330,6 +372,8 @@ def test_gpu_cuda_graph_capture(seed):
         ro, rl = sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
         assert ((out.double() - ro).norm() / ro.norm()).item() < 1e-2
         check_heads(out, ro, head_error_scale(q, cache, idx, "fp8_ds_mla", None, ro), 1e-2)
+        assert not any(b.any() for b in S._COUNTERS.values())  # the fused merge reset its counters
+    S._PLANS.clear()
 
 
 @pytest.mark.gpu
@@ -343,4 +387,5 @@ def test_gpu_memcheck_subset(seed):
             q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
             idx = torch.randint(-20, nb * bs + 20, (T, 300), device="cuda", dtype=torch.int32)
             for prefetch in (True, False):  # both loop structures, whatever the dispatch picks
-                check(q, cache, idx, fmt, ks, ns, config={"PREFETCH": prefetch})
+                for merge in ("fused", "separate"):  # both merges (when the launch splits)
+                    check(q, cache, idx, fmt, ks, ns, config={"PREFETCH": prefetch, "MERGE": merge})

@@ -22,9 +22,10 @@ import torch
 from kernels import triton_sparse_mla as v1
 from kernels import triton_sparse_mla_v2 as v2
 from kernels.triton_mla_kv_cache import mla_kv_cache_write
+from tests.triton_interpreter import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+GPU = DEVICE == "cuda"
 SCALE = 256 ** -0.5
 TOL_HEAD = {torch.bfloat16: 2.5e-2, torch.float16: 8e-3}  # per (row, head) relative L2 error
 TOL_ALL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}  # whole output (as tests/kernels/test_sparse_mla.py)

@@ -149,8 +149,7 @@ import sys  # noqa: E402
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "kernels"))
-from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, INTERPRET  # noqa: E402
-DEVICE = "cuda" if (HAS_CUDA and not INTERPRET) else "cpu"
+from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, DEVICE, INTERPRET  # noqa: E402
 
 import triton_k as T  # noqa: E402
 
@@ -204,6 +203,8 @@ def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
     assert "+import vllm.v1.attention.ops.triton_k as T  # noqa: E402\n" in t
     assert "+HAS_CUDA = torch.cuda.is_available()\n" in t
     assert '+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"\n' in t
+    assert ('+DEVICE = "cuda" if (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1") '
+            'else "cpu"\n') in t
     assert '+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")\n' in t
     assert "sys.path" not in t and "_ROOT" not in t and "import sys" not in t and "tests.triton_interpreter" not in t
     pr = (out / "triton-k" / "PR.md").read_text()

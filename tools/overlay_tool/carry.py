@@ -42,6 +42,7 @@ def interpreter() -> bool:
 CARRIED_INTERPRETER = {
     "_HAS_CUDA": "torch.cuda.is_available()",
     "INTERPRET": 'os.environ.get("TRITON_INTERPRET") == "1"',
+    "DEVICE": '"cuda" if (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1") else "cpu"',
 }
 # The project's sys.path set-up for kernels/ (dropped: in vLLM's tree the kernels are vLLM modules)
 SYS_PATH_LINES = re.compile(
