@@ -69,6 +69,13 @@ TEST_NAME = "test_sparse_backend_decode_correctness"
 # the test's backend_cls ids (ours added by patches/0.26.0/tests)
 BACKENDS = ("FlashMLA", "FlashInferTRTLLM", "TritonMLASparse")
 OURS = "TritonMLASparse"
+# The test builds its VllmConfig from this model's Hugging Face config (ModelConfig reads config.json
+# from the hub or its cache); the offline host has neither, so the runner gives it a cache holding
+# e2e/data/deepseek-v2-lite-chat-config.json, the fields of that model's config.json (the test then
+# replaces what it reads: hf_text_config, head counts, head size, index_topk).
+HF_MODEL = "deepseek-ai/DeepSeek-V2-Lite-Chat"
+HF_CONFIG = HERE / "data" / "deepseek-v2-lite-chat-config.json"
+HF_STAND_IN = Path(os.environ.get("UPSTREAM_TESTS_HF_CACHE", "/tmp/upstream-tests-hf/hub"))
 # the import closure the preflight checks (tests.utils: dist_init imports it in the fixture)
 PREFLIGHT = ["pytest", "tests.conftest", "tests.utils", "tests.v1.attention.utils",
              "tests.v1.attention.test_mla_backends", "vllm.v1.attention.backends.mla.triton_mla_sparse"]
@@ -186,6 +193,32 @@ def sync_overlay(site: Path) -> dict:
         shutil.copyfile(src, t)
         copied.append(str(t.relative_to(site)))
     return {"site": str(site), "files": len(copied)}
+
+
+def hf_cache(env: dict) -> Path:
+    """The hub cache the tests will read (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"])
+    return Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+
+
+def model_config_source(env: dict, stand_in: Path = HF_STAND_IN) -> dict:
+    """Where HF_MODEL's config.json comes from: the host's hub cache when it holds it, else a cache of
+    our own with the stand-in (HF_HUB_CACHE is pointed there in `env`)."""
+    repo = "models--" + HF_MODEL.replace("/", "--")
+    have = sorted((hf_cache(env) / repo / "snapshots").glob("*/config.json"))
+    if have:
+        return {"source": "host hub cache", "path": str(have[-1])}
+    rev = "0" * 40
+    snap = stand_in / repo / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(HF_CONFIG, snap / "config.json")
+    (stand_in / repo / "refs").mkdir(parents=True, exist_ok=True)
+    (stand_in / repo / "refs" / "main").write_text(rev)
+    env["HF_HUB_CACHE"] = str(stand_in)
+    return {"source": f"stand-in {HF_CONFIG.relative_to(REPO)} (the host's hub cache has no {HF_MODEL})",
+            "path": str(snap / "config.json"),
+            "sha256": hashlib.sha256(HF_CONFIG.read_bytes()).hexdigest()}
 
 
 def vllm_version(env: dict) -> str | None:
@@ -448,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in doc["wheels"]:
         doc["problems"].append(f"installing carried wheels failed: {doc['wheels']['error']}")
     log(f"carried wheels installed (host lacked their modules): {doc['wheels']['installed'] or 'none'}")
+    doc["model_config"] = model_config_source(env)
+    log(f"{HF_MODEL} config.json: {doc['model_config']['source']}")
     doc["vllm"] = vllm_version(env)
     pf_env = dict(env, PYTHONPATH=os.pathsep.join([str(bundle), env.get("PYTHONPATH", "")]).strip(os.pathsep))
     t0 = time.monotonic()
