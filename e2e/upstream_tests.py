@@ -160,8 +160,9 @@ def missing_modules(mods: list[str], env: dict) -> set[str]:
     return set(json.loads(line[len("MISSING"):])) if line else set(mods)
 
 
-def install_missing_wheels(env: dict, wheels: Path = WHEELS, site: Path = DEPS_SITE) -> dict:
+def install_missing_wheels(env: dict, wheels: Path | None = None, site: Path | None = None) -> dict:
     """Install each carried wheel whose modules the host lacks into `site` (appended to PYTHONPATH)."""
+    wheels, site = wheels or WHEELS, site or DEPS_SITE
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     per = {w: wheel_modules(w) for w in found}
     missing = missing_modules(sorted({m for ms in per.values() for m in ms}), env)
@@ -202,9 +203,10 @@ def hf_cache(env: dict) -> Path:
     return Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
 
 
-def model_config_source(env: dict, stand_in: Path = HF_STAND_IN) -> dict:
+def model_config_source(env: dict, stand_in: Path | None = None) -> dict:
     """Where HF_MODEL's config.json comes from: the host's hub cache when it holds it, else a cache of
     our own with the stand-in (HF_HUB_CACHE is pointed there in `env`)."""
+    stand_in = stand_in or HF_STAND_IN
     repo = "models--" + HF_MODEL.replace("/", "--")
     have = sorted((hf_cache(env) / repo / "snapshots").glob("*/config.json"))
     if have:
@@ -477,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["problems"].append(f"overlay sync: {doc['overlay_sync']['error']}")
     doc["wheels"] = install_missing_wheels(env)
     if doc["wheels"]["installed"]:
-        env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), str(DEPS_SITE)]).strip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), doc["wheels"]["site"]]).strip(os.pathsep)
     if "error" in doc["wheels"]:
         doc["problems"].append(f"installing carried wheels failed: {doc['wheels']['error']}")
     log(f"carried wheels installed (host lacked their modules): {doc['wheels']['installed'] or 'none'}")
