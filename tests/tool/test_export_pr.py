@@ -243,3 +243,42 @@ def test_export_pr_refuses_a_test_that_cannot_run_in_vllm(tmp_path):
         "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n\n\n@pytest.fixture\ndef gpu_peer():\n    return 2\n")
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
     assert "uses the project's fixtures gpu_peer" in r.out
+
+
+def test_export_pr_carries_our_edit_of_vllms_own_test(tmp_path):
+    """patches/<pin>/tests: each test patch goes into its concern's series, last, as an edit of vLLM's
+    file (diffed against the pinned sdist's file, which vLLM's repository has at the tag)."""
+    import subprocess
+
+    from test_upstream_tests import TEST_V1, TEST_V2, _env, add_upstream_tests
+
+    p = _project(tmp_path)
+    cache = add_upstream_tests(p, tmp_path, concern="triton-k")
+    out = tmp_path / "prs"
+    p.run("--out", str(out), "export-pr", "--signoff", "Ada <ada@example.com>", env=_env(cache), check_rc=0)
+    names = sorted(x.name for x in (out / "triton-k").glob("*.patch"))
+    assert names == ["0001-Attention-Register-TRITON_K.patch", "0002-Kernel-Add-the-Triton-K-kernel.patch",
+                     "0003-Test-Run-test_x-on-OURS.patch"]
+    edit = (out / "triton-k" / names[2]).read_text()
+    assert "Subject: [Test] Run test_x on OURS" in edit and "Signed-off-by: Ada <ada@example.com>" in edit
+    assert "Concern:" not in edit and "--- a/tests/v1/attention/test_x.py" in edit and "new file" not in edit
+    assert not any("test_x" in (out / "words" / n).read_text() for n in (x.name for x in (out / "words").glob("*.patch")))
+    pr = (out / "triton-k" / "PR.md").read_text()
+    assert "edits vLLM's `tests/v1/attention/test_x.py`" in pr and "pytest -v tests/v1/attention/test_x.py" in pr
+    # it applies to vLLM's file as released
+    repo = tmp_path / "vllm-repo"
+    (repo / "tests/v1/attention").mkdir(parents=True)
+    (repo / "tests/v1/attention/test_x.py").write_text(TEST_V1)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    r = subprocess.run(["git", "apply", str(out / "triton-k" / names[2])], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (repo / "tests/v1/attention/test_x.py").read_text() == TEST_V2
+
+
+def test_export_pr_refuses_a_test_patch_of_an_unknown_concern(tmp_path):
+    from test_upstream_tests import _env, add_upstream_tests
+
+    p = _project(tmp_path)
+    cache = add_upstream_tests(p, tmp_path, concern="nobody")
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--signoff", "A <a@b.c>", env=_env(cache), check_rc=2)
+    assert "nobody" in r.out and "no patches or files" in r.out
