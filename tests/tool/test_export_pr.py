@@ -197,7 +197,7 @@ def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
     assert "+from vllm.v1.attention.ops.triton_k import K\n" in t
     assert "from kernels" not in t and "pytest.mark.gpu" not in t
     assert '+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")' in t
-    assert "+def seed(request) -> int:" in t  # the project's fixture, carried along
+    assert "+def seed():\n+    return 1\n" in t  # the project's fixture, as its conftest.py has it
     assert "+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project" in t
     # the project's sys.path set-up, interpreter module and bare kernel imports, in vLLM's terms
     assert "+++ b/tests/kernels/attention/test_triton_k_bare.py" in t
@@ -282,3 +282,44 @@ def test_export_pr_refuses_a_test_patch_of_an_unknown_concern(tmp_path):
     cache = add_upstream_tests(p, tmp_path, concern="nobody")
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--signoff", "A <a@b.c>", env=_env(cache), check_rc=2)
     assert "nobody" in r.out and "no patches or files" in r.out
+
+
+def test_carried_seed_fixture_is_the_conftest_fixture():
+    """The `seed` fixture a carried test takes along is tests/kernels/conftest.py's, as written there
+    (same AST, decorator included), with the imports it reads; and it seeds like the original."""
+    import ast
+    import random
+
+    import pytest
+    import torch
+    from conftest import REPO
+
+    from overlay_tool.carry import carry_test, conftest_fixture, module_map
+    from overlay_tool.project import Project
+
+    mods = module_map(Project(REPO).overlay_files())
+    text = carry_test(REPO, "tests/kernels/test_sparse_mla.py", "tests/kernels/attention/test_triton_sparse_mla.py",
+                      mods, set(mods)).decode()
+
+    def seed_def(src: str) -> ast.FunctionDef:
+        return next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "seed")
+
+    source = (REPO / "tests" / "kernels" / "conftest.py").read_text()
+    assert ast.dump(seed_def(text)) == ast.dump(seed_def(source))
+    fixture_src, imports = conftest_fixture(REPO, "seed")
+    assert fixture_src in text and sorted(imports) == ["import os", "import pytest", "import random", "import torch"]
+    for line in imports:  # every name it reads is imported at the top level of the carried file
+        assert any(ln.split("  #")[0] == line for ln in text.splitlines()), line
+    # it runs: a fixed GLM5_TEST_SEED seeds torch and random and is returned
+    ns = {"pytest": pytest}
+    exec(compile("\n".join(imports) + "\n" + fixture_src, "carried", "exec"), ns)
+    node = type("N", (), {"nodeid": "t", "user_properties": []})()
+    req = type("R", (), {"node": node})()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GLM5_TEST_SEED", "1234")
+    try:
+        assert ns["seed"].__wrapped__(req) == 1234
+    finally:
+        mp.undo()
+    assert random.random() == random.Random(1234).random() and node.user_properties == [("seed", 1234)]
+    assert torch.initial_seed() == 1234
