@@ -226,3 +226,18 @@ def test_real_test_patches_apply_to_the_pinned_sdists(tmp_path, version):
     after = changes["tests/v1/attention/test_sparse_mla_backends.py"][1].decode()
     assert "from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseBackend" in after
     assert '"TritonMLASparse"' in after
+
+
+def test_pr_results_quote_an_upstream_tests_file_per_backend(tmp_path):
+    """A CONCERNS.toml results entry of kind "pytest" may name e2e/upstream_tests.py's file: PR.md
+    quotes its counts per backend."""
+    from overlay_tool.carry import results_section
+
+    (tmp_path / "r.json").write_text(json.dumps({
+        "commit": "abc1234", "command": "python3 e2e/upstream_tests.py --commit abc1234",
+        "environment": {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"},
+        "backends": {"FlashMLA": {"counts": {"passed": 84, "failed": 0, "error": 0, "skipped": 168}},
+                     "TritonMLASparse": {"counts": {"passed": 126, "failed": 0, "error": 0, "skipped": 126}}}}))
+    lines = results_section(tmp_path, [{"file": "r.json", "kind": "pytest", "label": "vLLM's own test"}])
+    assert "  - `TritonMLASparse`: 126 passed, 0 failed, 0 error, 126 skipped" in lines
+    assert "  - `FlashMLA`: 84 passed, 0 failed, 0 error, 168 skipped" in lines

@@ -246,7 +246,8 @@ def results_section(root: Path, results) -> list[str]:
             env = d.get("environment", {})
             where = ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton") if k in env)
             L.append(f"- {label} (`{rel}`, project commit {d.get('commit', '?')}; {where}):")
-            modes = d.get("modes") or {"run": {"counts": d.get("totals", {})}}
+            # per mode (e2e/gpu_tests.py) or per backend (e2e/upstream_tests.py)
+            modes = d.get("modes") or d.get("backends") or {"run": {"counts": d.get("totals", {})}}
             for mode, m in modes.items():
                 c = m.get("counts", {})
                 L.append(f"  - `{mode}`: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in c))
