@@ -250,7 +250,7 @@ def test_export_pr_carries_our_edit_of_vllms_own_test(tmp_path):
     file (diffed against the pinned sdist's file, which vLLM's repository has at the tag)."""
     import subprocess
 
-    from test_upstream_tests import TEST_V1, TEST_V2, _env, add_upstream_tests
+    from test_sdist_tests import TEST_V1, TEST_V2, _env, add_upstream_tests
 
     p = _project(tmp_path)
     cache = add_upstream_tests(p, tmp_path, concern="triton-k")
@@ -276,7 +276,7 @@ def test_export_pr_carries_our_edit_of_vllms_own_test(tmp_path):
 
 
 def test_export_pr_refuses_a_test_patch_of_an_unknown_concern(tmp_path):
-    from test_upstream_tests import _env, add_upstream_tests
+    from test_sdist_tests import _env, add_upstream_tests
 
     p = _project(tmp_path)
     cache = add_upstream_tests(p, tmp_path, concern="nobody")
