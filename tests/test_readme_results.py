@@ -111,3 +111,23 @@ def test_gpu_tests_line_matches_the_results_file():
         c = res["counts"]
         assert (c["passed"], c["failed"], c["skipped"]) == tuple(int(x) for x in m.groups()[1:]), mode
     assert doc["ok"] == (m.group(3) == "0")
+
+
+def test_upstream_tests_line_matches_the_results_file():
+    """The README's "Last result" of vLLM's own sparse MLA test is the file's: commit and the counts
+    of each backend (or "not run yet" while the file does not exist)."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    name = "upstream_sparse_mla_tests_h200.json"
+    path = RESULTS / name
+    if not path.exists():
+        assert f"Last result (`bench/results/{name}`): not run yet" in text, \
+            f"README must say the upstream test was not run yet while bench/results/{name} does not exist"
+        return
+    m = re.search(rf"Last result \(`bench/results/{re.escape(name)}`, commit (\w+)\): ([^.]*)\.", text)
+    assert m, f"README has no 'Last result (`bench/results/{name}`, commit ...): <backend> N passed, N failed, N skipped; ...' line"
+    doc = json.loads(path.read_text())
+    assert doc["commit"].startswith(m.group(1))
+    shown = {b: tuple(int(x) for x in n) for b, *n in
+             re.findall(r"(\w+) (\d+) passed, (\d+) failed, (\d+) skipped", m.group(2))}
+    have = {b: (r["counts"]["passed"], r["counts"]["failed"], r["counts"]["skipped"]) for b, r in doc["backends"].items()}
+    assert shown == have, f"README {shown} vs file {have}"

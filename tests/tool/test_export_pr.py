@@ -196,7 +196,7 @@ def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
     assert "+from vllm.v1.attention.ops.triton_k import K\n" in t
     assert "from kernels" not in t and "pytest.mark.gpu" not in t
     assert '+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")' in t
-    assert "+def seed(request) -> int:" in t  # the project's fixture, carried along
+    assert "+def seed():\n+    return 1\n" in t  # the project's fixture, as its conftest.py has it
     assert "+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project" in t
     # the project's sys.path set-up, interpreter module and bare kernel imports, in vLLM's terms
     assert "+++ b/tests/kernels/attention/test_triton_k_bare.py" in t
@@ -244,3 +244,83 @@ def test_export_pr_refuses_a_test_that_cannot_run_in_vllm(tmp_path):
         "import pytest\n\n\n@pytest.fixture\ndef seed():\n    return 1\n\n\n@pytest.fixture\ndef gpu_peer():\n    return 2\n")
     r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=2)
     assert "uses the project's fixtures gpu_peer" in r.out
+
+
+def test_export_pr_carries_our_edit_of_vllms_own_test(tmp_path):
+    """patches/<pin>/tests: each test patch goes into its concern's series, last, as an edit of vLLM's
+    file (diffed against the pinned sdist's file, which vLLM's repository has at the tag)."""
+    import subprocess
+
+    from test_sdist_tests import TEST_V1, TEST_V2, _env, add_upstream_tests
+
+    p = _project(tmp_path)
+    cache = add_upstream_tests(p, tmp_path, concern="triton-k")
+    out = tmp_path / "prs"
+    p.run("--out", str(out), "export-pr", "--signoff", "Ada <ada@example.com>", env=_env(cache), check_rc=0)
+    names = sorted(x.name for x in (out / "triton-k").glob("*.patch"))
+    assert names == ["0001-Attention-Register-TRITON_K.patch", "0002-Kernel-Add-the-Triton-K-kernel.patch",
+                     "0003-Test-Run-test_x-on-OURS.patch"]
+    edit = (out / "triton-k" / names[2]).read_text()
+    assert "Subject: [Test] Run test_x on OURS" in edit and "Signed-off-by: Ada <ada@example.com>" in edit
+    assert "Concern:" not in edit and "--- a/tests/v1/attention/test_x.py" in edit and "new file" not in edit
+    assert not any("test_x" in (out / "words" / n).read_text() for n in (x.name for x in (out / "words").glob("*.patch")))
+    pr = (out / "triton-k" / "PR.md").read_text()
+    assert "edits vLLM's `tests/v1/attention/test_x.py`" in pr and "pytest -v tests/v1/attention/test_x.py" in pr
+    # it applies to vLLM's file as released
+    repo = tmp_path / "vllm-repo"
+    (repo / "tests/v1/attention").mkdir(parents=True)
+    (repo / "tests/v1/attention/test_x.py").write_text(TEST_V1)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    r = subprocess.run(["git", "apply", str(out / "triton-k" / names[2])], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (repo / "tests/v1/attention/test_x.py").read_text() == TEST_V2
+
+
+def test_export_pr_refuses_a_test_patch_of_an_unknown_concern(tmp_path):
+    from test_sdist_tests import _env, add_upstream_tests
+
+    p = _project(tmp_path)
+    cache = add_upstream_tests(p, tmp_path, concern="nobody")
+    r = p.run("--out", str(tmp_path / "prs"), "export-pr", "--signoff", "A <a@b.c>", env=_env(cache), check_rc=2)
+    assert "nobody" in r.out and "no patches or files" in r.out
+
+
+def test_carried_seed_fixture_is_the_conftest_fixture():
+    """The `seed` fixture a carried test takes along is tests/kernels/conftest.py's, as written there
+    (same AST, decorator included), with the imports it reads; and it seeds like the original."""
+    import ast
+    import random
+
+    import pytest
+    import torch
+    from conftest import REPO
+
+    from overlay_tool.carry import carry_test, conftest_fixture, module_map
+    from overlay_tool.project import Project
+
+    mods = module_map(Project(REPO).overlay_files())
+    text = carry_test(REPO, "tests/kernels/test_sparse_mla.py", "tests/kernels/attention/test_triton_sparse_mla.py",
+                      mods, set(mods)).decode()
+
+    def seed_def(src: str) -> ast.FunctionDef:
+        return next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "seed")
+
+    source = (REPO / "tests" / "kernels" / "conftest.py").read_text()
+    assert ast.dump(seed_def(text)) == ast.dump(seed_def(source))
+    fixture_src, imports = conftest_fixture(REPO, "seed")
+    assert fixture_src in text and sorted(imports) == ["import os", "import pytest", "import random", "import torch"]
+    for line in imports:  # every name it reads is imported at the top level of the carried file
+        assert any(ln.split("  #")[0] == line for ln in text.splitlines()), line
+    # it runs: a fixed GLM5_TEST_SEED seeds torch and random and is returned
+    ns = {"pytest": pytest}
+    exec(compile("\n".join(imports) + "\n" + fixture_src, "carried", "exec"), ns)
+    node = type("N", (), {"nodeid": "t", "user_properties": []})()
+    req = type("R", (), {"node": node})()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GLM5_TEST_SEED", "1234")
+    try:
+        assert ns["seed"].__wrapped__(req) == 1234
+    finally:
+        mp.undo()
+    assert random.random() == random.Random(1234).random() and node.user_properties == [("seed", 1234)]
+    assert torch.initial_seed() == 1234

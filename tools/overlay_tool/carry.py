@@ -13,21 +13,12 @@ from .project import OverlayFile
 
 # Fixtures of the project's tests/kernels/conftest.py a carried test may use: carried along into
 # the file itself (vLLM's tests/kernels/attention/conftest.py is vLLM's own, so no conftest travels).
+# `seed` is taken from that conftest as written (conftest_fixture: its source, decorator included,
+# plus the imports it reads); `interpreter` answers from the environment, as the project's
+# tests/triton_interpreter.py does (INTERPRET below).
+CONFTEST = "tests/kernels/conftest.py"
+DERIVED_FIXTURES = ("seed",)
 CARRIED_FIXTURES = {
-    "seed": '''
-@pytest.fixture
-def seed(request) -> int:
-    """A fresh seed per test (GLM5_TEST_SEED fixes it), printed to reproduce a failure."""
-    import os
-    import random
-
-    env = os.environ.get("GLM5_TEST_SEED")
-    s = int(env) if env else random.SystemRandom().randrange(2**31)
-    random.seed(s)
-    torch.manual_seed(s)
-    print(f"[seed] {request.node.nodeid}: GLM5_TEST_SEED={s}")
-    return s
-''',
     "interpreter": '''
 @pytest.fixture
 def interpreter() -> bool:
@@ -37,6 +28,53 @@ def interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 ''',
 }
+# What a name the conftest imports is in vLLM's tree: `import X` stays; these come from the project's
+# tests/triton_interpreter.py there and are plain modules in vLLM's tree.
+_INTERPRETER_MODULES = {"torch": "import torch"}
+
+
+def conftest_fixture(root: Path, name: str, conftest: str = CONFTEST) -> tuple[str, list[str]]:
+    """Fixture `name` of the project's conftest as written there (decorators included) and the import
+    lines of the module-level names it reads (UsageError: a name vLLM's tree would not have)."""
+    path = root / conftest
+    text = path.read_text()
+    tree = ast.parse(text)
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None or not any("fixture" in ast.unparse(d) for d in fn.decorator_list):
+        raise UsageError(f"{conftest} has no fixture '{name}' to carry")
+    lines = text.splitlines(keepends=True)
+    first = min([d.lineno for d in fn.decorator_list] + [fn.lineno])
+    source = "".join(lines[first - 1:fn.end_lineno])
+    imports: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                imports[(a.asname or a.name).split(".")[0]] = f"import {a.name}" + (f" as {a.asname}" if a.asname else "")
+        elif isinstance(node, ast.ImportFrom) and node.module == "tests.triton_interpreter":
+            for a in node.names:
+                if a.name in _INTERPRETER_MODULES:
+                    imports[a.asname or a.name] = _INTERPRETER_MODULES[a.name]
+    local = {a.arg for a in fn.args.args + fn.args.kwonlyargs} | {
+        n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    used = sorted({n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - local)
+    import builtins
+
+    free = [u for u in used if not hasattr(builtins, u)]
+    missing = [u for u in free if u not in imports]
+    if missing:
+        raise UsageError(f"{conftest}: fixture '{name}' reads {', '.join(missing)}, which vLLM's tree would not have")
+    return source, [imports[u] for u in free]
+
+
+def fixture_helper(root: Path, name: str, text: str) -> str:
+    """The code carried into a test file for project fixture `name`."""
+    if name not in DERIVED_FIXTURES:
+        return CARRIED_FIXTURES[name]
+    source, imports = conftest_fixture(root, name)
+    need = [i for i in imports if not re.search(rf"(?m)^{re.escape(i)}$", text)]
+    return "".join(f"{i}  # noqa: E402\n" for i in need) + ("\n\n" if need else "") + source
+
+
 # Names of the project's tests/triton_interpreter.py a carried test may import, and what they are in
 # vLLM's tree (no interpreter set-up there: compiled kernels on the GPU unless TRITON_INTERPRET=1).
 CARRIED_INTERPRETER = {
@@ -164,13 +202,13 @@ def carry_test(root: Path, src: str, dest: str, all_modules: dict[str, str], own
               for a in node.args.args}
     defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     from_conftest = (params & _project_fixtures(root, src)) - defined
-    missing = sorted(from_conftest - set(CARRIED_FIXTURES))
+    missing = sorted(from_conftest - set(CARRIED_FIXTURES) - set(DERIVED_FIXTURES))
     if missing:
         problems.append(f"uses the project's fixtures {', '.join(missing)} (no carried helper for them)")
     if problems:
         raise UsageError(f"overlay/CONCERNS.toml: test {src} -> {dest} cannot run inside vLLM's tree "
                          "(move it to not_carried with the reason):\n  " + "\n  ".join(problems))
-    helpers = [CARRIED_FIXTURES[f] for f in sorted(from_conftest)]
+    helpers = [fixture_helper(root, f, text) for f in sorted(from_conftest)]
     if GPU_MARK[1:] in text or helpers or "torch.cuda.is_available()" in text:
         if not re.search(r"(?m)^import torch$", text):
             problems.append("needs 'import torch' for the carried GPU marker or fixtures")
@@ -209,7 +247,8 @@ def results_section(root: Path, results) -> list[str]:
             env = d.get("environment", {})
             where = ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton") if k in env)
             L.append(f"- {label} (`{rel}`, project commit {d.get('commit', '?')}; {where}):")
-            modes = d.get("modes") or {"run": {"counts": d.get("totals", {})}}
+            # per mode (e2e/gpu_tests.py) or per backend (e2e/upstream_tests.py)
+            modes = d.get("modes") or d.get("backends") or {"run": {"counts": d.get("totals", {})}}
             for mode, m in modes.items():
                 c = m.get("counts", {})
                 L.append(f"  - `{mode}`: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in c))

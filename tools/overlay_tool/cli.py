@@ -33,6 +33,8 @@ subcommands:
   revert     put stock vLLM back into the venv;   uninstall: remove the patched vLLM from the venv
   export-pr  one format-patch series per concern for upstream, DCO signed-off, with PR.md
              (default: the newest pin, not pins.lock's default: upstream PRs go against main)
+  upstream-tests  vLLM's own tests of the pin (from its sdist, pinned in pins.lock) with our test patches
+             (patches/<version>/tests) applied, written to --out DIR for a GPU host
   port       carry patches/OLD/series onto a new vLLM release (three-way merges; stops at a conflict for you;
              --continue / --skip / --abort), pinning the release in pins.lock if needed; then refresh + check
 
@@ -56,6 +58,9 @@ VERB_HELP = {
     "uninstall": "remove the patched vLLM from the environment",
     "export-pr": "write one format-patch series + PR.md per concern for upstream, DCO signed-off, against the newest "
                  "pin in pins.lock (upstream PRs go against vLLM's main; --vllm VERSION picks another pin)",
+    "upstream-tests": "extract the vLLM test files patches/<version>/tests/files lists from the pin's sdist (downloaded, "
+                      "sha256 checked against pins.lock, cached in $GLM5_OVERLAY_SDISTS or ~/.cache/glm5-overlay/sdists) "
+                      "and apply patches/<version>/tests/series to them, into --out DIR",
     "port": "carry patches/OLD/series onto vLLM NEW: commit each patch that applies (clean, at an offset, or by a "
             "three-way merge with its OLD base), stop at a conflict for you to resolve, then refresh + check NEW",
 }
@@ -69,8 +74,9 @@ OPTION_VERBS = {
     "--checkout": _TREE,
     "--venv": {"all", "install", "verify", "status", "revert", "uninstall"},
     "--wheel-cache": {"all", "fetch", "apply", "build", "verify", "status", "check", "revert", "export-pr", "port"},
-    "--out": {"all", "build", "install", "verify", "status", "export-pr"},
-    "--dry-run": {"all", "fetch", "apply", "build", "install", "refresh", "revert", "uninstall", "export-pr", "port"},
+    "--out": {"all", "build", "install", "verify", "status", "export-pr", "upstream-tests"},
+    "--dry-run": {"all", "fetch", "apply", "build", "install", "refresh", "revert", "uninstall", "export-pr", "port",
+                  "upstream-tests"},
     "--wait": {"all", "apply", "build", "refresh", "recover", "port"},
     "--debug": set(VERBS),
 }
@@ -90,7 +96,7 @@ def _common(p: argparse.ArgumentParser, suppress: bool, verb: str | None = None)
     add("--checkout", metavar="PATH", default=d, help="use your own vLLM git checkout (clean, at tag v<version>) instead")
     add("--venv", metavar="DIR", default=d, help="environment to install into (default: .venv-vllm-<version>; 'current': this one)")
     add("--wheel-cache", metavar="DIR", default=d, help="release wheel cache (default: $GLM5_OVERLAY_WHEELS or ~/.cache/glm5-overlay/wheels)")
-    add("--out", metavar="DIR", default=d, help="reports and built wheels (default: work/<version>/); export-pr: output folder")
+    add("--out", metavar="DIR", default=d, help="reports and built wheels (default: work/<version>/); export-pr, upstream-tests: output folder")
     g.add_argument("--project", metavar="DIR", default=d, help=argparse.SUPPRESS)
     g.add_argument("--lock", metavar="FILE", default=d, help=argparse.SUPPRESS)
     flag_default = argparse.SUPPRESS if suppress else False
@@ -478,6 +484,12 @@ def run_verb(ctx: Ctx, verb: str, pin) -> int:
 
         refresh(_open_tree(ctx, pin), ctx.project, ctx.dry_run, log,
                 force=getattr(ns, "force", False), allow_fewer=getattr(ns, "allow_fewer", False))
+        return 0
+    if verb == "upstream-tests":
+        from .upstream_tests import default_sdist_cache, write_bundle
+
+        out = Path(ctx.out_arg).resolve() if ctx.out_arg else ctx.project.out_dir(pin) / "upstream-tests"
+        write_bundle(ctx.project, pin, default_sdist_cache(), out, ctx.dry_run, log)
         return 0
     if verb == "export-pr":
         from .ops import export_pr

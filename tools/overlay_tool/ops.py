@@ -323,6 +323,20 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
     if not m:
         raise UsageError("DCO sign-off needs an identity: pass --signoff 'Name <email>' or set git user.name/user.email")
     name, email = m.group(1), m.group(2)
+    # our patches of vLLM's own tests (patches/<pin>/tests), each carried into its concern's series
+    # as an edit of vLLM's file (the file comes from the pinned sdist: the wheel has no tests/)
+    from .upstream_tests import default_sdist_cache, load_test_set, patched_files
+
+    test_steps = []
+    ts = load_test_set(project.patches_dir(pin))
+    if ts is not None and ts.patches:
+        stray = sorted({p.header.concern for p in ts.patches} - set(groups))
+        if stray and not only:
+            raise UsageError(f"patches/{pin.version}/tests: test patches name concern(s) {', '.join(stray)} "
+                             "that have no patches or files")
+        if any(p.header.concern in groups for p in ts.patches):
+            test_steps = [(p, ch) for p, ch in patched_files(project, pin, default_sdist_cache(), log=log)[2]
+                          if p.header.concern in groups]
     written: list[Path] = []
     with scratch_tree(pin, wheel) as tree:
         for concern, grp in groups.items():
@@ -362,17 +376,28 @@ def export_pr(project: Project, pin: Pin, wheel: Path, out: Path, only: str | No
                 own = set(module_map(grp["files"]))
                 carried = [(src, dest, carry_test(project.root, src, dest, mods, own)) for src, dest in c.tests]
                 parent = _tests_commit(tree, parent, carried, title or pset[0].header.subject, name, email, env)
+            edits = [(p, ch) for p, ch in test_steps if p.header.concern == concern]
+            upstream_base = last_edit = None
+            if edits:
+                upstream_base, last_edit = _upstream_test_commits(tree, parent, edits, name, email, env)
             dest = out / concern
             if dry_run:
-                log(f"would write {dest}/ ({len(pset)} patch(es), {len(grp['files'])} file(s), {len(carried)} test(s))")
+                log(f"would write {dest}/ ({len(pset)} patch(es), {len(grp['files'])} file(s), {len(carried)} test(s), "
+                    f"{len(edits)} edit(s) of vLLM's tests)")
                 continue
             if dest.exists():
                 shutil.rmtree(dest)
             dest.mkdir(parents=True)
             tree.g.run("format-patch", *FORMAT_PATCH_OPTS, "-o", str(dest), f"{tree.base}..{parent}")
+            if edits:
+                # after the series: the edits of vLLM's own test files (not in the wheel-made tree: they
+                # are diffed against the sdist's files, which the series' target, vLLM's repository, has)
+                n = len(list(dest.glob("*.patch")))
+                tree.g.run("format-patch", *FORMAT_PATCH_OPTS, f"--start-number={n + 1}", "-o", str(dest),
+                           f"{upstream_base}..{last_edit}")
             for f in sorted(dest.glob("*.patch")):
                 f.write_bytes(re.sub(rb"(?m)^Date: .*$", b"Date: " + FIXED_DATE.encode(), f.read_bytes(), count=1))
-            pr = _pr_body(concern, pset, grp["files"], title or pset[0].header.subject, c, pin, carried, project.root)
+            pr = _pr_body(concern, pset, grp["files"], title or pset[0].header.subject, c, pin, carried, project.root, edits)
             (dest / "PR.md").write_text(pr)
             written.append(dest)
             log(f"{concern}: wrote {dest}/ ({len(list(dest.glob('*.patch')))} patch(es) + PR.md)")
@@ -410,7 +435,34 @@ def _tests_commit(tree: Tree, parent: str, carried, title: str, name, email, env
     return tree.g.out("commit-tree", treeid, "-p", parent, "-F", "-", input=msg.encode(), env=env)
 
 
-def _pr_body(concern, patches, files, title, c, pin, carried=(), root: Path | None = None) -> str:
+def _upstream_test_commits(tree: Tree, parent: str, edits, name, email, env) -> tuple[str, str]:
+    """A commit adding vLLM's test files as the sdist has them (the base, not exported), then one
+    commit per test patch with its edit (message: the patch's subject and why, signed off)."""
+    before: dict[str, bytes] = {}
+    for _, changes in edits:
+        for path, (old, _) in changes.items():
+            before.setdefault(path, old)
+
+    def commit(files: dict[str, bytes], base: str, msg: str) -> str:
+        with owned_tempdir("glm5-index-") as td:
+            ienv = dict(env, GIT_INDEX_FILE=str(Path(td) / "index"))
+            tree.g.run("read-tree", base, env=ienv)
+            for path, data in files.items():
+                blob = tree.g.out("hash-object", "-w", "--no-filters", "--stdin", input=data)
+                tree.g.run("update-index", "--add", "--cacheinfo", f"100644,{blob},{path}", env=ienv)
+            treeid = tree.g.out("write-tree", env=ienv)
+        return tree.g.out("commit-tree", treeid, "-p", base, "-F", "-", input=msg.encode(), env=env)
+
+    base = commit(before, parent, "vLLM's test files as released (the base of the edits below)\n")
+    last = base
+    for p, changes in edits:
+        h = p.header
+        msg = f"{h.subject}\n\n{h.description}\n\nSigned-off-by: {name} <{email}>\n"
+        last = commit({path: new for path, (_, new) in changes.items()}, last, msg)
+    return base, last
+
+
+def _pr_body(concern, patches, files, title, c, pin, carried=(), root: Path | None = None, edits=()) -> str:
     L = [f"# {title}", "", "## Purpose", ""]
     for p in patches:
         L += [p.header.description, ""]
@@ -420,6 +472,8 @@ def _pr_body(concern, patches, files, title, c, pin, carried=(), root: Path | No
     L += [f"- {p.header.subject}" for p in patches]
     L += [f"- new file `{f.dest}`" for f in files]
     L += [f"- new test `{dest}` (the project's `{src}`)" for src, dest, _ in carried]
+    edited = sorted({path for _, ch in edits for path in ch})
+    L += [f"- {p.header.subject} (edits vLLM's `{'`, `'.join(sorted(ch))}`)" for p, ch in edits]
     refs = []
     for p in patches:
         for k in ("Origin", "Bug", "Bug-Upstream", "Applied-Upstream", "Forwarded"):
@@ -428,9 +482,9 @@ def _pr_body(concern, patches, files, title, c, pin, carried=(), root: Path | No
         L += ["", "## References", ""] + refs
     L += ["", "## Test Plan", "",
           f"Prepared against vLLM {pin.tag} by `tools/apply.py export-pr` (concern `{concern}`)."]
-    if carried:
+    if carried or edited:
         L += ["", "Run inside vLLM's tree (the kernel tests need a CUDA GPU for the compiled kernels):", "", "```bash"]
-        L += [f"pytest -v {' '.join(dest for _, dest, _ in carried)}", "```"]
+        L += [f"pytest -v {' '.join([dest for _, dest, _ in carried] + edited)}", "```"]
     if c and c.not_carried:
         L += ["", "Not carried (tests of the overlay project that cannot run inside vLLM's tree as they are):", ""]
         L += [f"- `{src}`: {why}" for src, why in c.not_carried]

@@ -13,6 +13,9 @@ from .errors import PinError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _REQUIRED = ("wheel", "sha256", "torch", "triton")
+# Optional, together: the release's source distribution (an https URL ending in vllm-<version>.tar.gz)
+# and its sha256 -- where vLLM's own tests come from (tools/apply.py upstream-tests; wheels have no tests/).
+_OPTIONAL = ("sdist", "sdist_sha256")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,12 @@ class Pin:
     sha256: str
     torch: str
     triton: str  # a PEP 440 specifier, as the pinned torch declares it
+    sdist: str | None = None  # URL of the release's sdist (vllm-<version>.tar.gz)
+    sdist_sha256: str | None = None
+
+    @property
+    def sdist_name(self) -> str:
+        return f"vllm-{self.version}.tar.gz"
 
     @property
     def tag(self) -> str:
@@ -79,11 +88,18 @@ def load_lock(path: Path) -> Lock:
         missing = [k for k in _REQUIRED if k not in entry]
         if missing:
             raise PinError(f"{where}: missing {', '.join(missing)}")
-        extra = set(entry) - set(_REQUIRED)
+        extra = set(entry) - set(_REQUIRED) - set(_OPTIONAL)
         if extra:
             raise PinError(f"{where}: unknown keys {sorted(extra)}")
-        if not all(isinstance(entry[k], str) for k in _REQUIRED):
-            raise PinError(f"{where}: wheel, sha256, torch and triton must be strings")
+        if not all(isinstance(entry[k], str) for k in _REQUIRED + tuple(k for k in _OPTIONAL if k in entry)):
+            raise PinError(f"{where}: wheel, sha256, torch, triton, sdist and sdist_sha256 must be strings")
+        if ("sdist" in entry) != ("sdist_sha256" in entry):
+            raise PinError(f"{where}: sdist and sdist_sha256 go together (one is missing)")
+        if "sdist" in entry:
+            if not _SHA256.match(entry["sdist_sha256"]):
+                raise PinError(f"{where}: sdist_sha256 must be 64 lowercase hex digits")
+            if not (entry["sdist"].startswith("https://") and entry["sdist"].endswith(f"/vllm-{version}.tar.gz")):
+                raise PinError(f"{where}: sdist '{entry['sdist']}' is not an https URL of vllm-{version}.tar.gz")
         if not _SHA256.match(entry["sha256"]):
             raise PinError(f"{where}: sha256 must be 64 lowercase hex digits")
         wheel = entry["wheel"]
@@ -97,7 +113,8 @@ def load_lock(path: Path) -> Lock:
             SpecifierSet(entry["triton"])
         except InvalidSpecifier:
             raise PinError(f"{where}: triton '{entry['triton']}' is not a version specifier (e.g. '==3.6.0')") from None
-        pins[version] = Pin(version, wheel, entry["sha256"], entry["torch"], entry["triton"])
+        pins[version] = Pin(version, wheel, entry["sha256"], entry["torch"], entry["triton"],
+                            entry.get("sdist"), entry.get("sdist_sha256"))
     default = data.get("default")
     if not isinstance(default, str) or default not in pins:
         raise PinError(f"{path}: default = {default!r} is not one of the pins ({', '.join(sorted(pins))})")
