@@ -295,3 +295,36 @@ def test_metadata_builder_carries_the_resolved_backend(
     assert md.indexer_backend == want
     assert md.num_decodes == 2 and md.decode is not None
     assert scheduled == ([] if want == "triton" else [True])
+
+
+def test_metadata_builder_of_an_indexer_with_ops_of_its_own_keeps_deepgemm(
+    glm5_model_config, model_modules, single_rank, simulated_cuda, monkeypatch
+):
+    """Models whose indexer is not a SparseAttnIndexer (0.33.0's GLM-5-Next, DeepSeek-V4.1) share
+    this builder but run DeepGEMM ops of their own that read its schedule metadata: where no
+    SparseAttnIndexer resolved the setting, the builder keeps upstream's path even where "auto"
+    would pick Triton for a SparseAttnIndexer (SM120, TRITON_MLA_SPARSE)."""
+    import dataclasses
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla import indexer as idx
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
+
+    simulated_cuda(12, 0)
+    _deep_gemm_importable(monkeypatch)
+    built, resolved_config = _builder(model_modules, glm5_model_config, monkeypatch, "auto")
+    assert built.indexer_backend == "triton"
+    fresh = dataclasses.replace(resolved_config)  # same model, nothing resolved on its kernels
+    fresh.kernel_config = type(resolved_config.kernel_config)()
+    assert sib.resolved_sparse_indexer_backend(fresh) == "deep_gemm"
+    kwargs = {}
+    import inspect
+
+    if "block_table_width" in inspect.signature(idx.DeepseekV32IndexerMetadataBuilder).parameters:
+        kwargs["block_table_width"] = 64
+    with set_current_vllm_config(fresh):
+        builder = idx.DeepseekV32IndexerMetadataBuilder(
+            built.kv_cache_spec, built.layer_names, fresh, torch.device("cpu"), **kwargs
+        )
+    assert builder.indexer_backend == "deep_gemm"
+    assert fresh.kernel_config.sparse_indexer_backend == "auto"  # nothing decided here

@@ -10,11 +10,11 @@
   ``triton_dsa_topk.py`` (no DeepGEMM, no JIT-built CUDA);
 - ``"auto"`` (default): ``choose_sparse_indexer_backend`` below.
 
-``resolve_sparse_indexer_backend`` decides once per engine (it writes the
-answer back into the config and logs it with the reason); the indexer layer
-(``SparseAttnIndexer``) and the indexer's metadata builder both take the
-resolved value, and the builder carries it to the op in
-``DeepseekV32IndexerMetadata.indexer_backend``.
+``resolve_sparse_indexer_backend`` decides once per engine, when the first
+indexer layer (``SparseAttnIndexer``) is built: it writes the answer back into
+the config and logs it with the reason. The indexer's metadata builder, built
+after the model, takes the resolved value (``resolved_sparse_indexer_backend``)
+and carries it to the op in ``DeepseekV32IndexerMetadata.indexer_backend``.
 
 DeepGEMM is vendored in every vLLM wheel, so ``has_deep_gemm()`` is true even
 where it cannot run: its kernels are JIT-compiled on first use, which needs a
@@ -365,3 +365,15 @@ def resolve_sparse_indexer_backend(vllm_config: "VllmConfig") -> str:
     kernel_config.sparse_indexer_backend = backend
     setattr(kernel_config, _RESOLVED, True)
     return backend
+
+
+def resolved_sparse_indexer_backend(vllm_config: "VllmConfig") -> str:
+    """What ``resolve_sparse_indexer_backend`` decided for this engine's indexer
+    layers, for the indexer's metadata builder (built after the model). Models
+    whose indexer is not a ``SparseAttnIndexer`` run indexer ops of their own
+    (DeepGEMM's, reading its schedule metadata): nothing was resolved for them,
+    and this answers ``"deep_gemm"``, the upstream path."""
+    kernel_config = vllm_config.kernel_config
+    if getattr(kernel_config, _RESOLVED, False):
+        return kernel_config.sparse_indexer_backend
+    return DEEP_GEMM
