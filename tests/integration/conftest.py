@@ -152,7 +152,7 @@ def triton_indexer_wired() -> bool:
 
     from vllm.model_executor.layers import sparse_attn_indexer
 
-    return "use_triton_indexer" in inspect.signature(
+    return "indexer_backend" in inspect.signature(
         sparse_attn_indexer.sparse_attn_indexer
     ).parameters
 
@@ -163,5 +163,5 @@ def require_triton_indexer(vllm_module):
     if not triton_indexer_wired():
         pytest.fail(
             "the Triton DSA indexer is not wired into this pin's sparse_attn_indexer "
-            "(no use_triton_indexer parameter): the pin's indexer patch is missing or broken"
+            "(no indexer_backend parameter): the pin's indexer patch is missing or broken"
         )

@@ -1,7 +1,9 @@
-"""Which DSA indexer runs (``use_triton_dsa_indexer``): DeepGEMM only where its kernels are built
-for the device and its JIT finds a compiler; the Triton kernels otherwise, or when
-TRITON_MLA_SPARSE serves the model. Runs under each pin's patched vLLM (vLLM's own selector and
-platform code; the device capability simulated, see conftest.py), so every case runs on every pin.
+"""Which DSA indexer runs (``kernel_config.sparse_indexer_backend``, resolved by
+``vllm/v1/attention/ops/sparse_indexer_backend.py``): with "auto", DeepGEMM only where its kernels
+are built for the device and its JIT finds a compiler; the Triton kernels otherwise, or when
+TRITON_MLA_SPARSE serves the model; "deep_gemm" and "triton" as asked, where they can run. Runs
+under each pin's patched vLLM (vLLM's own selector and platform code; the device capability
+simulated, see conftest.py), so every case runs on every pin.
 
 The toolchain probe (``find_deep_gemm_jit_toolchain``) is tested on fake CUDA homes: folders
 holding an ``nvcc`` shell script that prints a release number, as the real one does.
@@ -29,7 +31,7 @@ def choice(vllm_module, monkeypatch):
     import vllm.utils.deep_gemm as deep_gemm
     from vllm.config import set_current_vllm_config
     from vllm.logger import _print_info_once, _print_warning_once
-    from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
     # cached per process in vLLM; the capability changes from test to test here
@@ -44,11 +46,15 @@ def choice(vllm_module, monkeypatch):
             records.append(record)
 
     handler = Keep(level=logging.DEBUG)
-    tms.logger.addHandler(handler)
-    old_level = tms.logger.level
-    tms.logger.setLevel(logging.DEBUG)
+    sib.logger.addHandler(handler)
+    old_level, old_disabled = sib.logger.level, sib.logger.disabled
+    sib.logger.setLevel(logging.DEBUG)
+    # a logging.config.dictConfig run by an earlier test (vLLM's CLI parsing) may have disabled
+    # the loggers that existed then
+    sib.logger.disabled = False
 
-    def decide(model_config, kv_cache_dtype, backend=None, toolchain=True, nvcc=(12, 9)):
+    def decide(model_config, kv_cache_dtype, backend=None, toolchain=True, nvcc=(12, 9),
+               requested=None):
         import vllm.platforms as platforms
 
         # vllm.utils.deep_gemm bound the platform of its import (the CPU one here); in a
@@ -56,21 +62,29 @@ def choice(vllm_module, monkeypatch):
         monkeypatch.setattr(deep_gemm, "current_platform", platforms._current_platform)
         if mx is not None and hasattr(mx, "cache_clear"):
             mx.cache_clear()
-        found = tms.JitToolchain(True, "nvcc %d.%d at /fake/bin/nvcc" % nvcc, nvcc)
-        missing = tms.JitToolchain(False, "no nvcc at /fake/bin/nvcc")
-        monkeypatch.setattr(tms, "deep_gemm_jit_toolchain", lambda: found if toolchain else missing)
+        found = sib.JitToolchain(True, "nvcc %d.%d at /fake/bin/nvcc" % nvcc, nvcc)
+        missing = sib.JitToolchain(False, "no nvcc at /fake/bin/nvcc")
+        monkeypatch.setattr(sib, "deep_gemm_jit_toolchain", lambda: found if toolchain else missing)
         _print_info_once.cache_clear()
         _print_warning_once.cache_clear()
         records.clear()
         _, vllm_config = _select(model_config, kv_cache_dtype, backend=backend)
+        if requested is not None:
+            vllm_config.kernel_config.sparse_indexer_backend = requested
         with set_current_vllm_config(vllm_config):  # as during model construction
-            use_triton = tms.use_triton_dsa_indexer(vllm_config)
-            _, reason = tms.dsa_indexer_choice(vllm_config)
-        return use_triton, reason, list(records)
+            chosen, reason = sib.choose_sparse_indexer_backend(vllm_config)
+            resolved = sib.resolve_sparse_indexer_backend(vllm_config)
+        assert resolved == chosen
+        # decided once: the answer is now the config's, and asking again changes nothing
+        assert vllm_config.kernel_config.sparse_indexer_backend == chosen
+        assert sib.resolve_sparse_indexer_backend(vllm_config) == chosen
+        assert chosen in ("deep_gemm", "triton")
+        return chosen == "triton", reason, list(records)
 
     yield decide
-    tms.logger.removeHandler(handler)
-    tms.logger.setLevel(old_level)
+    sib.logger.removeHandler(handler)
+    sib.logger.setLevel(old_level)
+    sib.logger.disabled = old_disabled
     if mx is not None and hasattr(mx, "cache_clear"):
         mx.cache_clear()
 
@@ -228,19 +242,19 @@ def test_missing_deepgemm_runs_triton(simulated_cuda, monkeypatch, glm5_model_co
 @pytest.mark.parametrize("toolchain", [True, False])
 def test_logs_path_and_reason_once(simulated_cuda, glm5_model_config, choice, toolchain):
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     simulated_cuda(9, 0)
     use_triton, reason, records = choice(glm5_model_config, "fp8_ds_mla", toolchain=toolchain)
     path = "Triton kernels" if use_triton else "DeepGEMM"
     assert _info(records) == [f"DSA indexer: {path} ({reason})"]
-    assert records[0].name == tms.__name__  # vLLM's logger for the module
-    # every indexer layer asks; the line is logged once
+    assert records[0].name == sib.__name__  # vLLM's logger for the module
+    # every indexer layer and metadata builder asks; the line is logged once
     records.clear()
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla")
     with set_current_vllm_config(vllm_config):
         for _ in range(3):
-            assert tms.use_triton_dsa_indexer(vllm_config) == use_triton
+            assert (sib.resolve_sparse_indexer_backend(vllm_config) == "triton") == use_triton
     assert _info(records) == []
 
 
@@ -265,22 +279,21 @@ def _fake_nvcc(folder, release="12.9", exit_code=0):
 def probe(vllm_module, monkeypatch, tmp_path):
     """`run(env, jit=None)`: find_deep_gemm_jit_toolchain with only `env` as the environment and
     /usr/local/cuda moved to tmp_path/default-cuda (absent unless a test makes it)."""
-    from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
-    from vllm.v1.attention.backends.mla import triton_mla_sparse_compat as compat
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
-    monkeypatch.setattr(tms, "_DEFAULT_CUDA_HOME", str(tmp_path / "default-cuda"))
+    monkeypatch.setattr(sib, "_DEFAULT_CUDA_HOME", str(tmp_path / "default-cuda"))
 
     def run(env, jit=None):
         env = {"PATH": str(tmp_path / "empty-path"), **env}
-        return tms.find_deep_gemm_jit_toolchain(jit or compat.API.deep_gemm_jit, env)
+        return sib.find_deep_gemm_jit_toolchain(jit or sib.vendored_deep_gemm_jit(), env)
 
     return run
 
 
 def _jit(min_nvcc, nvrtc):
-    from vllm.v1.attention.backends.mla import triton_mla_sparse_compat as compat
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
-    return compat.DeepGemmJit(version="x", min_nvcc=min_nvcc, nvrtc_switch=nvrtc)
+    return sib.DeepGemmJit(version="x", min_nvcc=min_nvcc, nvrtc_switch=nvrtc)
 
 
 def test_probe_finds_nothing_without_a_toolkit(probe):
@@ -289,7 +302,7 @@ def test_probe_finds_nothing_without_a_toolkit(probe):
 
 
 def test_probe_cuda_home(probe, tmp_path):
-    from vllm.v1.attention.backends.mla.triton_mla_sparse import JitToolchain
+    from vllm.v1.attention.ops.sparse_indexer_backend import JitToolchain
 
     nvcc = _fake_nvcc(tmp_path / "cuda" / "bin")
     assert probe({"CUDA_HOME": str(tmp_path / "cuda")}) == JitToolchain(
@@ -363,11 +376,11 @@ def test_probe_nvrtc_only_where_deepgemm_has_it(probe, tmp_path):
 
 
 def test_pin_probe_follows_the_pins_entry(probe, tmp_path):
-    """The installed pin's own entry: nvcc 12.8 is enough for 0.26.0's DeepGEMM 2.5.0, not for
+    """The installed pin's own DeepGEMM: nvcc 12.8 is enough for 0.26.0's DeepGEMM 2.5.0, not for
     0.33.0's 2.8.1; NVRTC counts on 0.26.0 only."""
-    from vllm.v1.attention.backends.mla import triton_mla_sparse_compat as compat
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
-    jit = compat.API.deep_gemm_jit
+    jit = sib.vendored_deep_gemm_jit()
     _fake_nvcc(tmp_path / "cuda" / "bin", release="12.8")
     assert probe({"CUDA_HOME": str(tmp_path / "cuda")}).found == (jit.min_nvcc <= (12, 8))
     home = tmp_path / "nvrtc"

@@ -233,11 +233,18 @@ def test_glm5_router_logits_match_hf_fp32_router(
 
 
 def _build_attention_layers(modules, model_config, topk_buffer, layer_ids, monkeypatch,
-                            cache_dtype="auto", vllm_configs=None, **attention_config):
+                            cache_dtype="auto", vllm_configs=None,
+                            sparse_indexer_backend="auto", **attention_config):
     """Build each layer's attention as vLLM's CUDA GLM-5 model class does, all given the one
     top-k buffer (and, 0.33.0, the one index-group builder) the model hands its layers."""
     import vllm.utils.flashinfer as fi
-    from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        AttentionConfig,
+        CacheConfig,
+        KernelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     monkeypatch.setattr(fi, "has_flashinfer_sparse_mla_sm120", lambda: False)
@@ -245,6 +252,7 @@ def _build_attention_layers(modules, model_config, topk_buffer, layer_ids, monke
         model_config=model_config,
         cache_config=CacheConfig(cache_dtype=cache_dtype),
         attention_config=AttentionConfig(backend=BACKEND, **attention_config),
+        kernel_config=KernelConfig(sparse_indexer_backend=sparse_indexer_backend),
     )
     if vllm_configs is not None:
         vllm_configs.append(vllm_config)

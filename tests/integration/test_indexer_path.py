@@ -3,7 +3,8 @@
 Drives the patched `vllm.model_executor.layers.sparse_attn_indexer.sparse_attn_indexer` the way
 the model does (indexer K written into the paged 132-B/token cache, a prefill chunk gathered and
 scored, decode rows scored over the paged cache with MTP-style per-token context lengths, top-k
-into the shared buffer), with `use_triton_indexer=True`: no DeepGEMM, no compiled vLLM op.
+into the shared buffer), with the metadata carrying `indexer_backend="triton"`: no DeepGEMM, no
+compiled vLLM op.
 
 The forward context and the workspace manager (both set up by vLLM's GPU worker) are stood in
 for; everything else is vLLM's code and ours, in the Triton interpreter on the CPU.
@@ -76,7 +77,11 @@ def _keywords_of_this_pin(fn):
 def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monkeypatch, topk, sub_rows):
     """sub_rows: (0.34.0) the op splits a prefill chunk's rows into dense_logits_rows-sized
     sub-chunks under the logits budget; the Triton branch scores each on its own row slice,
-    sized by the full gathered K width (its logits are uncompressed)."""
+    sized by the full gathered K width (its logits are uncompressed).
+
+    The step's kernels are those its metadata carries (`indexer_backend`): the layer's own
+    argument is set to the other value here and must not matter outside the profiling run."""
+    step_backend = "triton"
     import vllm.model_executor.layers.sparse_attn_indexer as sai
 
     widths = []
@@ -172,6 +177,7 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         num_prefill_tokens=pre_new,
         decode=decode,
         prefill=DeepseekV32IndexerPrefillMetadata(chunks=[chunk]),
+        indexer_backend=step_backend,
     )
     monkeypatch.setattr(sai, "get_forward_context", lambda: _forward_context(md))
     monkeypatch.setattr(sai, "current_workspace_manager", lambda: _Workspace())
@@ -218,7 +224,7 @@ def test_prefill_and_decode_through_triton_indexer(require_triton_indexer, monke
         buffer,
         False,  # skip_k_cache_insert
         False,  # use_pcp
-        use_triton_indexer=True,
+        indexer_backend="deep_gemm",  # only the profiling run reads it
         **_keywords_of_this_pin(sai.sparse_attn_indexer),
     )
 
@@ -249,7 +255,9 @@ def test_mtp_draft_decode_metadata_skips_deepgemm_with_triton_indexer(
 ):
     """The MTP draft path (`update_draft_decode_metadata`, 0.33.0+) re-derives the decode metadata;
     with the Triton indexer it must not call DeepGEMM's schedule metadata (DeepGEMM may not run
-    there), without it it still does (upstream's behaviour, so this test can tell them apart)."""
+    there), without it it still does (upstream's behaviour, so this test can tell them apart).
+    The choice is the one the metadata it updates carries (`indexer_backend`); the builder holds
+    the opposite value here, so reading the builder's instead would fail."""
     import vllm.v1.attention.backends.mla.indexer as idx
 
     method = getattr(idx.DeepseekV32IndexerMetadataBuilder, "update_draft_decode_metadata", None)
@@ -281,12 +289,13 @@ def test_mtp_draft_decode_metadata_skips_deepgemm_with_triton_indexer(
         block_table=torch.arange(n * 4, dtype=torch.int32).view(n, 4),
         seq_lens=torch.tensor([70, 9], dtype=torch.int32),
         slot_mapping=torch.zeros(n, dtype=torch.int64),
+        indexer_backend="triton" if use_triton_indexer else "deep_gemm",
     )
     builder = types.SimpleNamespace(
         dcp_world_size=1,
         compress_ratio=1,
         arange_buffer=torch.arange(16, dtype=torch.int32),
-        use_triton_indexer=use_triton_indexer,
+        indexer_backend="deep_gemm" if use_triton_indexer else "triton",
         num_sms=2,
         kv_cache_spec=types.SimpleNamespace(num_states=64, block_size=64),
     )
@@ -338,7 +347,7 @@ def test_profiling_run_reserves_the_triton_topk_scratch(require_triton_indexer, 
         buffer,
         False,
         False,
-        use_triton_indexer=True,
+        indexer_backend="triton",  # the layer's resolved backend: no metadata in this run
         **_keywords_of_this_pin(sai.sparse_attn_indexer),
     )
     want = triton_dsa_topk.topk_workspace_bytes(topk, num_tokens, max(max_model_len, total_seq_lens), device="cpu")

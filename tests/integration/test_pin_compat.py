@@ -117,29 +117,34 @@ def test_kv_spec_hook_and_scale_format_come_from_the_entry(compat, backend):
         assert hasattr(sparse_utils, "align_blocks_to_rows")
 
 
-def test_indexer_scale_probe_matches_the_tree(compat):
+def test_indexer_scale_probe_matches_the_tree(vllm_module):
+    """The indexer's MX-scale question is vLLM's own where the release has one (0.33+)."""
     from vllm.utils import deep_gemm
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
-    has_mx = hasattr(deep_gemm, "mqa_logits_use_mx_scales")
-    if compat.API.indexer_cache_uses_mx_scales is compat._indexer_scales_fp32:
-        assert not has_mx, "this vLLM can store MX indexer scales: the entry must ask deep_gemm"
+    if not hasattr(deep_gemm, "mqa_logits_use_mx_scales"):
+        assert sib.indexer_cache_uses_mx_scales() is False
     else:
-        assert has_mx
+        assert sib.indexer_cache_uses_mx_scales() == bool(deep_gemm.mqa_logits_use_mx_scales())
 
 
-def test_deep_gemm_jit_entry_matches_the_vendored_deepgemm(compat):
-    """The entry's DeepGEMM facts, read from the installed tree's vllm/third_party/deep_gemm (its
-    extension cannot be loaded without a GPU; its text can): the version, the oldest nvcc its
-    compiler accepts, and whether DG_JIT_USE_NVRTC exists in it."""
+def test_deep_gemm_jit_entry_matches_the_vendored_deepgemm(vllm_module):
+    """The indexer's DeepGEMM facts (sparse_indexer_backend.KNOWN_DEEP_GEMM_JITS) for the
+    installed tree's vllm/third_party/deep_gemm, checked against its files (its extension cannot
+    be loaded without a GPU; its text can): the version, the oldest nvcc its compiler accepts,
+    and whether DG_JIT_USE_NVRTC exists in it."""
     import importlib.util
     import re
+
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     spec = importlib.util.find_spec("vllm.third_party.deep_gemm")
     assert spec is not None and spec.submodule_search_locations, "this vLLM vendors no DeepGEMM"
     root = Path(list(spec.submodule_search_locations)[0])
     version = re.search(r"__version__ = '([^']+)'", (root / "__init__.py").read_text())
-    jit = compat.API.deep_gemm_jit
-    assert version and version.group(1) == jit.version
+    jit = sib.vendored_deep_gemm_jit()
+    assert version and version.group(1) == jit.version == sib.vendored_deep_gemm_version()
+    assert jit.version in sib.KNOWN_DEEP_GEMM_JITS
     extensions = sorted(root.glob("_C*.so"))
     assert extensions, f"no compiled extension in {root}"
     binary = extensions[0].read_bytes()

@@ -165,37 +165,37 @@ def test_kv_cache_shape_per_format(vllm_module, kv_cache_dtype, last_dim):
 def test_triton_indexer_is_used_with_triton_backend(
     simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
 ):
-    from vllm.v1.attention.backends.mla import triton_mla_sparse
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     simulated_cuda(12, 0)
     from vllm.config import set_current_vllm_config
 
     _, vllm_config = _select(glm5_model_config, "fp8", backend=BACKEND)
     with set_current_vllm_config(vllm_config):  # as during model construction
-        assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config)
+        assert sib.resolve_sparse_indexer_backend(vllm_config) == "triton"
 
 
 def test_deepgemm_indexer_kept_for_other_backends_when_available(
     simulated_cuda, monkeypatch, glm5_model_config, require_triton_indexer
 ):
     import vllm.utils.deep_gemm as deep_gemm
-    from vllm.v1.attention.backends.mla import triton_mla_sparse
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     simulated_cuda(9, 0)
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
     # DeepGEMM's JIT finds nvcc (test_dsa_indexer_choice.py has the cases without it)
     monkeypatch.setattr(
-        triton_mla_sparse,
+        sib,
         "deep_gemm_jit_toolchain",
-        lambda: triton_mla_sparse.JitToolchain(True, "nvcc 12.9 at /fake/bin/nvcc"),
+        lambda: sib.JitToolchain(True, "nvcc 12.9 at /fake/bin/nvcc"),
     )
     from vllm.config import set_current_vllm_config
 
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla")
     with set_current_vllm_config(vllm_config):  # as during model construction
-        assert not triton_mla_sparse.use_triton_dsa_indexer(vllm_config)
+        assert sib.choose_sparse_indexer_backend(vllm_config)[0] == "deep_gemm"
         monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: False)
-        assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config)
+        assert sib.choose_sparse_indexer_backend(vllm_config)[0] == "triton"
 
 
 def test_mx_scale_indexer_cache_keeps_deepgemm(
@@ -205,7 +205,7 @@ def test_mx_scale_indexer_cache_keeps_deepgemm(
     fused K-cache kernel), which the Triton kernels do not read: the indexer stays on
     DeepGEMM there even with TRITON_MLA_SPARSE. 0.26.0 stores fp32 scales on every device."""
     import vllm.utils.deep_gemm as deep_gemm
-    from vllm.v1.attention.backends.mla import triton_mla_sparse
+    from vllm.v1.attention.ops import sparse_indexer_backend as sib
 
     import vllm.platforms as platforms
 
@@ -221,8 +221,8 @@ def test_mx_scale_indexer_cache_keeps_deepgemm(
     from vllm.config import set_current_vllm_config
 
     mx_scales = mx() if mx is not None else False
-    assert mx_scales == (triton_mla_sparse.API.indexer_cache_uses_mx_scales is not
-                         triton_mla_sparse.compat._indexer_scales_fp32)
+    assert mx_scales == sib.indexer_cache_uses_mx_scales()
     _, vllm_config = _select(glm5_model_config, "fp8_ds_mla", backend=BACKEND)
     with set_current_vllm_config(vllm_config):
-        assert triton_mla_sparse.use_triton_dsa_indexer(vllm_config) == (not mx_scales)
+        backend = sib.resolve_sparse_indexer_backend(vllm_config)
+        assert backend == ("deep_gemm" if mx_scales else "triton")

@@ -111,3 +111,29 @@ def test_baseline_is_the_release_content(project, wheels, real_tree):
         assert tracked == names
         for name in ("vllm/model_executor/layers/attention/mla_attention.py", "vllm-0.26.0.dist-info/METADATA"):
             assert t.g.run("show", f"{t.base}:{name}").stdout == zf.read(name)
+
+
+@pytest.mark.parametrize("version", PINS)
+def test_indexer_series_does_not_reference_the_backend_module(project, wheels, version, tmp_path):
+    """The triton-dsa-indexer PR (export-pr) is ordinary vLLM code on its own: none of its
+    patches, files, tests or PR.md import or name the overlay backend module
+    (vllm/v1/attention/backends/mla/triton_mla_sparse.py, its compat table); its routing lives in
+    code of its own (the kernel_config field, the resolver under vllm/v1/attention/ops/, the
+    metadata field), which the series carries."""
+    import re
+
+    from overlay_tool.ops import export_pr
+
+    out = tmp_path / "prs"
+    export_pr(project, project.pin(version), wheels[version], out, "triton-dsa-indexer",
+              "A <a@b.c>", False, False, log=lambda *a: None)
+    files = sorted((out / "triton-dsa-indexer").iterdir())
+    assert any(f.suffix == ".patch" for f in files) and (out / "triton-dsa-indexer" / "PR.md") in files
+    text = "\n".join(f.read_text() for f in files)
+    assert not re.search(r"triton_mla_sparse", text), [
+        line for line in text.splitlines() if "triton_mla_sparse" in line]
+    assert "+++ b/vllm/v1/attention/ops/sparse_indexer_backend.py" in text
+    assert "+    sparse_indexer_backend: SparseIndexerBackend = \"auto\"" in text
+    assert "+    indexer_backend: str = \"deep_gemm\"" in text  # the metadata field
+    assert "static_forward_context" not in "\n".join(
+        line for line in text.splitlines() if line.startswith("+"))

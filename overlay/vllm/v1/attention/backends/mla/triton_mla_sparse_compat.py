@@ -24,27 +24,22 @@ each API generation is one entry of ``GENERATIONS``:
   KV cache spec hook    none (never called)        ``customize_spec``:        as 0.33.0
                                                    blocks a whole number of
                                                    flat rows apart
-  indexer K scales      fp32 on every device       MX (UE8M0 x4) on SM100,    as 0.33.0
-                                                   per ``deep_gemm.mqa_
-                                                   logits_use_mx_scales``
   ShardQ (token-        none                       none                       opt-in per impl
   sharded TP prefill)                                                         (``supports_shardq``);
                                                                               we stay out
   fp8_ds_mla row width  656 assumed                656 assumed                asked from the impl
                                                                               (``get_fp8_ds_mla_
                                                                               row_bytes``)
-  DeepGEMM's JIT        vendored DeepGEMM 2.5.0:   vendored DeepGEMM 2.8.1:   as 0.33.0 (2.8.1)
-                        nvcc >= 12.3 (or NVRTC     nvcc >= 12.9 only (no
-                        with ``DG_JIT_USE_NVRTC``) NVRTC compiler in it)
   ====================  =========================  =========================  =========================
 
 (The scale facts were read from the release wheels' cache writers: 0.34.0's
 sm_90 ``concat_and_cache_ds_mla_kernel`` computes the same power-of-two scale
-as 0.33.0's and only gains a flag for the rope words; the JIT facts from the
-wheels' ``vllm/third_party/deep_gemm``, see ``DeepGemmJit``; the other rows from
-their Python sources.) 0.33.0 and later also pass ``skip_scale`` to
-``do_kv_cache_update``; the backend's signature takes it with a default, so
-that needs no entry. The impl answers ``get_fp8_ds_mla_row_bytes`` with its
+as 0.33.0's and only gains a flag for the rope words; the other rows from
+their Python sources.) What the DSA indexer needs to know of each release (its
+cache's scale format, the vendored DeepGEMM's JIT) lives with the indexer, in
+``vllm/v1/attention/ops/sparse_indexer_backend.py``. 0.33.0 and later also pass
+``skip_scale`` to ``do_kv_cache_update``; the backend's signature takes it with
+a default, so that needs no entry. The impl answers ``get_fp8_ds_mla_row_bytes`` with its
 kernels' row size on every release (only 0.34.0 asks).
 
 Adding a pin: if its base classes match an existing entry (the entry's
@@ -210,41 +205,6 @@ def _spec_blocks_whole_rows_apart(spec: "AttentionSpec") -> "AttentionSpec":
     return align_blocks_to_rows(spec)
 
 
-def _indexer_scales_fp32() -> bool:
-    return False
-
-
-def _indexer_scales_mx_per_deep_gemm() -> bool:
-    # Looked up at call time: vLLM decides per device (SM100).
-    from vllm.utils import deep_gemm
-
-    return deep_gemm.mqa_logits_use_mx_scales()
-
-
-@dataclass(frozen=True)
-class DeepGemmJit:
-    """How the DeepGEMM vendored in a release (``vllm/third_party/deep_gemm``)
-    JIT-compiles the indexer's kernels (``fp8_fp4_mqa_logits``,
-    ``fp8_fp4_paged_mqa_logits``, ``get_paged_mqa_logits_metadata``) on first use.
-
-    Both versions find the CUDA home the same way -- ``CUDA_HOME``, then
-    ``CUDA_PATH``, then the folder above ``bin/`` of the ``nvcc`` on ``PATH``,
-    then ``/usr/local/cuda`` if it exists (2.5.0: ``_find_cuda_home`` in its
-    ``__init__.py``; 2.8.1: the same order in its compiled extension) -- and
-    compile with ``$DG_JIT_NVCC_COMPILER`` or ``<home>/bin/nvcc``, refusing an
-    nvcc older than ``min_nvcc`` (2.5.0: "NVCC version should be >= 12.3";
-    2.8.1: "NVCC version must be at least 12.9"). 2.5.0 alone can compile with
-    NVRTC instead (``DG_JIT_USE_NVRTC`` set to a non-zero integer; its extension
-    links ``libnvrtc``), against the headers in ``<home>/include``.
-    """
-
-    # ``__version__`` of the vendored copy (tests/integration/test_pin_compat.py reads it)
-    version: str
-    min_nvcc: tuple[int, int]
-    # whether DG_JIT_USE_NVRTC=1 switches the JIT to NVRTC
-    nvrtc_switch: bool
-
-
 def _base_converts_any() -> bool:
     return hasattr(SparseMLACommonImpl, "_forward_mqa_kernel") and hasattr(
         sparse_mla_attention, "SparseMLACommonMetadata"
@@ -297,10 +257,6 @@ class SparseMLAApi:
     ds_scale_format: str
     # TritonMLASparseBackend.customize_spec
     customize_kv_spec: Callable[["AttentionSpec"], "AttentionSpec"]
-    # whether the indexer K cache carries MX scales (the Triton indexer reads fp32 only)
-    indexer_cache_uses_mx_scales: Callable[[], bool]
-    # how the vendored DeepGEMM JIT-compiles (what use_triton_dsa_indexer probes for)
-    deep_gemm_jit: DeepGemmJit
     # TritonMLASparseImpl.supports_shardq: whether the base may shard this backend's prefill
     # by token across TP ranks (ShardQ, 0.34.0). Our kernel would take ShardQ's narrowed
     # metadata like any other (the base applies topk_start), but it has not run under TP > 1
@@ -319,8 +275,6 @@ _IMPL_CONVERTS_TOPK = SparseMLAApi(
     make_metadata_cls=_own_metadata,
     ds_scale_format="arbitrary_fp32",
     customize_kv_spec=_spec_unchanged,
-    indexer_cache_uses_mx_scales=_indexer_scales_fp32,
-    deep_gemm_jit=DeepGemmJit(version="2.5.0", min_nvcc=(12, 3), nvrtc_switch=True),
     supports_shardq=False,
     fp8_ds_mla_row_bytes_from_impl=False,
 )
@@ -332,13 +286,11 @@ _BASE_CONVERTS_TOPK = SparseMLAApi(
     make_metadata_cls=_common_metadata,
     ds_scale_format="pow2_fp32",
     customize_kv_spec=_spec_blocks_whole_rows_apart,
-    indexer_cache_uses_mx_scales=_indexer_scales_mx_per_deep_gemm,
-    deep_gemm_jit=DeepGemmJit(version="2.8.1", min_nvcc=(12, 9), nvrtc_switch=False),
     supports_shardq=False,
     fp8_ds_mla_row_bytes_from_impl=False,
 )
 # 0.34.0: 0.33.0's base plus ShardQ and the row-width hook (the table above); everything else
-# as 0.33.0, DeepGEMM 2.8.1 included.
+# as 0.33.0.
 _BASE_CONVERTS_TOPK_SHARDQ = replace(
     _BASE_CONVERTS_TOPK,
     name="base-converts-topk-shardq",
