@@ -144,7 +144,7 @@ def load_vllm_c(pin: str | None = None, carry: Path | None = None):
     dst = Path(tempfile.gettempdir()) / "glm5-peers" / entry["sha256"][:16] / entry["name"]
     if not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        part = dst.with_suffix(".part")
+        part = dst.with_suffix(f".part{os.getpid()}")  # benches may start side by side
         with lzma.open(carry / entry["path"]) as f, open(part, "wb") as g:
             shutil.copyfileobj(f, g, 1 << 24)
         part.replace(dst)

@@ -449,7 +449,8 @@ def test_short_path_prefill_ragged_rows(seed):
     ks = torch.tensor([0, 0, 5, 100, 300, 1000, 1099], dtype=torch.int32)
     ke = torch.tensor([0, 40, 46, 1100, 1100, 1100, 1100], dtype=torch.int32)
     out = torch.full((M, k), -7, dtype=torch.int32, device=DEVICE)
-    T.top_k_per_row_prefill(big[:, :N].to(DEVICE), ks.to(DEVICE), ke.to(DEVICE), out, M, big.stride(0), 1, k)
+    bigd = big.to(DEVICE)  # the view is taken on the device: .to() of a view copies it contiguous
+    T.top_k_per_row_prefill(bigd[:, :N], ks.to(DEVICE), ke.to(DEVICE), out, M, bigd.stride(0), 1, k)
     _check(out, T.top_k_per_row_prefill_reference(big[:, :N], ks, ke, k))
 
 
@@ -497,7 +498,10 @@ def test_gpu_short_path_k2048(kind, width):
     assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
     old = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
     T.persistent_topk(lg, lens, old, None, 2048, width, SHORT=False)
-    assert torch.equal(out, old)
+    if width <= T.topk_config(2048, width)["CAP"]:
+        assert torch.equal(out, old)  # rows <= CAP: the same order as the radix path
+    else:  # longer rows: the radix path's order differs (order inside a row is unspecified)
+        assert torch.equal(T.canonical(out), T.canonical(old))
 
 
 def test_short_path_fuzz(seed):

@@ -70,7 +70,8 @@ def unpacked(entry: dict) -> Path:
     dst = Path(tempfile.gettempdir()) / "glm5-peers" / entry["sha256"][:16] / entry["name"]
     if not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_suffix(".part")
+        # a part file per process: the GPU test shards start side by side and all unpack at once
+        tmp = dst.with_suffix(f".part{os.getpid()}")
         with lzma.open(src) as f, open(tmp, "wb") as g:
             shutil.copyfileobj(f, g, 1 << 24)
         tmp.replace(dst)
