@@ -474,25 +474,19 @@ def _pick_config(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
 # plus all partials over the device's bandwidth); estimates for the H200, to be refitted from the
 # bench's us_fused / us_separate.
 MERGE_MODES = ("fused", "separate")
-_MERGE_PROGRAM_BYTES_PER_US = 100e3  # one program (one SM) reading partials from L2: ~100 GB/s
-_MERGE_DEVICE_BYTES_PER_US = 3.0e6  # the separate merge over all partials: ~3 TB/s
-_MERGE_LAUNCH_US = 2.0  # the second launch and the gap before it under CUDA-graph replay
-_PARTIAL_ROW_BYTES = LATENT_DIM * 4 + 4  # one (head, split) partial: 512 fp32 + its lse
+# Fused merges win up to this many splits per row (H200, bench/results/sparse_decode_h200.json, both
+# merges timed at every split point, fp8_ds_mla): at 2, 3 and 5 splits the fused merge saved
+# 5-59 us (H=8/16/64, T=64/128); at 8 splits (T=32) it cost 8-34 us more, and at 32-64 splits
+# (T <= 4) 41-129 us more. A byte/launch cost model fitted none of these (H=64 T=64 merges
+# 657 KB per program and gains, H=8 T=32 merges 131 KB and loses): the split count decides,
+# because the last arriver's merge runs after its own tiles, at the tail of the launch.
+FUSED_MERGE_MAX_SPLITS = 5
 
 
 def _pick_merge(num_tokens: int, num_heads: int, block_h: int, num_splits: int, num_sms: int) -> str:
-    """"fused" or "separate" for a split launch (shapes and SM count only: CUDA-graph safe).
-
-    The fused merge of one (row, head block) reads ``num_splits * heads_in_block`` partials in
-    one program; those merges run ``ceil(T * head_blocks / SMs)`` deep. The separate merge spreads
-    the same bytes over ``T * H * 4`` programs but costs a second launch."""
-    n_hb = triton.cdiv(num_heads, block_h)
-    heads = min(block_h, num_heads)
-    per_prog = num_splits * heads * _PARTIAL_ROW_BYTES
-    programs = num_tokens * n_hb
-    fused_us = per_prog / _MERGE_PROGRAM_BYTES_PER_US * triton.cdiv(programs, max(1, num_sms))
-    separate_us = _MERGE_LAUNCH_US + programs * per_prog / _MERGE_DEVICE_BYTES_PER_US
-    return "fused" if fused_us <= separate_us else "separate"
+    """"fused" or "separate" for a split launch (shapes only: CUDA-graph safe); the measured rule
+    above. The other arguments stay for a device-specific refit."""
+    return "fused" if num_splits <= FUSED_MERGE_MAX_SPLITS else "separate"
 
 
 def _merge_override() -> str | None:

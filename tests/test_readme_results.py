@@ -56,7 +56,10 @@ def _check_row(where: str, cells: dict[str, str], values: dict[str, float]) -> l
 
 def test_indexer_table_matches_the_results_file():
     head, rows = _table(["context", "T", "Triton logits+top-k"])
-    recs = {(r["context"], r["tokens"]): r for r in json.loads((RESULTS / "indexer_h200.json").read_text())["records"]}
+    # the README rows are the bench's standard shapes (logits as wide as the context); the --extra
+    # shapes with wider logits (max_model_len > context) are in the results file's own table
+    recs = {(r["context"], r["tokens"]): r for r in json.loads((RESULTS / "indexer_h200.json").read_text())["records"]
+            if r.get("max_model_len", r["context"]) == r["context"]}
     bad = []
     for row in rows:
         c = dict(zip(head, row))
