@@ -34,6 +34,7 @@ import lzma
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -233,23 +234,26 @@ def _cut_off_in(text: str) -> str | None:
     return None
 
 
-def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, log_dir: Path | None,
-               extra_env: dict | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", *MODES["mma-v2"])}
-    env.update(MODES[mode])
-    env["GLM5_REQUIRE_PEERS"] = "1"
-    cmd = [sys.executable, "-m", "pytest", tests, "-v", "-rfEs", "-p", "no:cacheprovider"]
-    if jobs > 1:
-        env["PYTHONPATH"] = str(REPO / "e2e")
-        env["GLM5_TEST_SHARD"] = f"{shard}/{jobs}"
-        cmd += ["-p", "pytest_shard"]
-    env.update(extra_env or {})
+def run_pytest(cmd: list[str], cwd: Path, env: dict, deadline: float, log_path: Path | None = None,
+               shard: int = 0, jobs: int = 1) -> dict:
+    """Run one pytest process (``cmd``, without --junitxml) in ``cwd`` until the ``time.monotonic()``
+    ``deadline``, then kill its process group. With ``jobs > 1`` it runs shard ``shard`` of ``jobs``
+    (e2e/pytest_shard.py, put alone on PYTHONPATH: e2e/ holds a tests/ folder of its own). Returns
+    returncode (None when killed), timed_out, seconds, the output text, and the JUnit XML text
+    (None when the run was killed or wrote none); the caller parses what it needs."""
+    env = dict(env)
+    cmd = list(cmd)
     with tempfile.TemporaryDirectory() as td:
+        if jobs > 1:
+            shutil.copyfile(REPO / "e2e" / "pytest_shard.py", Path(td) / "pytest_shard.py")
+            env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), td]).strip(os.pathsep)
+            env["GLM5_TEST_SHARD"] = f"{shard}/{jobs}"
+            cmd += ["-p", "pytest_shard"]
         xml = Path(td) / "junit.xml"
-        out_path = (log_dir / f"{mode}.{shard}.log") if log_dir else Path(td) / "out.log"
+        out_path = log_path or Path(td) / "out.log"
         t0 = time.time()
         with open(out_path, "wb") as fh:
-            proc = subprocess.Popen([*cmd, f"--junitxml={xml}"], cwd=REPO, env=env, stdout=fh,
+            proc = subprocess.Popen([*cmd, f"--junitxml={xml}"], cwd=cwd, env=env, stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             timed_out = False
             try:
@@ -259,16 +263,32 @@ def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, lo
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 rc = None
-        seconds = round(time.time() - t0, 1)
         text = out_path.read_text(errors="replace")
-        if not timed_out and xml.exists():
-            res = parse_junit(xml.read_text())
-        else:
-            res = parse_verbose(text)
-            res["cut_off_in"] = _cut_off_in(text)
-    res.update(returncode=rc, timed_out=timed_out, seconds=seconds,
-               summary=next((ln.strip("= ") for ln in reversed(text.splitlines())
-                             if re.search(r"\d+ (passed|failed|error|skipped)", ln)), ""))
+        junit = xml.read_text() if (not timed_out and xml.exists()) else None
+    return {"returncode": rc, "timed_out": timed_out, "seconds": round(time.time() - t0, 1), "text": text,
+            "junit": junit}
+
+
+def _summary_line(text: str, pattern: str = r"\d+ (passed|failed|error|skipped)") -> str:
+    return next((ln.strip("= ") for ln in reversed(text.splitlines()) if re.search(pattern, ln)), "")
+
+
+def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, log_dir: Path | None,
+               extra_env: dict | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", *MODES["mma-v2"])}
+    env.update(MODES[mode])
+    env["GLM5_REQUIRE_PEERS"] = "1"
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "pytest", tests, "-v", "-rfEs", "-p", "no:cacheprovider"]
+    run = run_pytest(cmd, REPO, env, deadline, (log_dir / f"{mode}.{shard}.log") if log_dir else None, shard, jobs)
+    text = run["text"]
+    if run["junit"] is not None:
+        res = parse_junit(run["junit"])
+    else:
+        res = parse_verbose(text)
+        res["cut_off_in"] = _cut_off_in(text)
+    res.update(returncode=run["returncode"], timed_out=run["timed_out"], seconds=run["seconds"],
+               summary=_summary_line(text))
     return res
 
 

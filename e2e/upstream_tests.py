@@ -43,9 +43,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +54,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from e2e_common import engine_env, preflight_imports  # noqa: E402
-from gpu_tests import COUNT_KEYS, _cut_off_in, _nodeid, environment, git_commit, tree_digest  # noqa: E402
+from gpu_tests import (COUNT_KEYS, _cut_off_in, _nodeid, _summary_line, environment, git_commit,  # noqa: E402
+                       run_pytest, tree_digest)
 
 NAME = "upstream_sparse_mla_tests_h200"
 CARRY = REPO / ".upstream-tests"
@@ -310,41 +309,16 @@ def pytest_command(selection: str) -> list[str]:
 
 def run_shard(bundle: Path, selection: str, shard: int, jobs: int, env: dict, deadline: float,
               log_dir: Path | None) -> dict:
-    env = dict(env)
-    cmd = pytest_command(selection)
-    with tempfile.TemporaryDirectory() as td:
-        if jobs > 1:
-            # the shard plugin alone on the path (e2e/ holds a tests/ folder of its own)
-            shutil.copyfile(HERE / "pytest_shard.py", Path(td) / "pytest_shard.py")
-            env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), td]).strip(os.pathsep)
-            env["GLM5_TEST_SHARD"] = f"{shard}/{jobs}"
-            cmd += ["-p", "pytest_shard"]
-        xml = Path(td) / "junit.xml"
-        out_path = (log_dir / f"pytest.{shard}.log") if log_dir else Path(td) / "out.log"
-        t0 = time.time()
-        with open(out_path, "wb") as fh:
-            proc = subprocess.Popen([*cmd, f"--junitxml={xml}"], cwd=bundle, env=env, stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                rc = None
-        text = out_path.read_text(errors="replace")
-        if not timed_out and xml.exists():
-            cases = parse_junit_cases(xml.read_text())
-        else:
-            cases = parse_verbose_cases(text)
-        res = {"cases": cases, "returncode": rc, "timed_out": timed_out, "seconds": round(time.time() - t0, 1),
-               "summary": next((ln.strip("= ") for ln in reversed(text.splitlines())
-                                if re.search(r"\d+ (passed|failed|error|skipped|deselected)", ln)), ""),
-               "tail": text[-3000:] if (rc not in (0, 1) or timed_out) else ""}
-        if timed_out:
-            res["cut_off_in"] = _cut_off_in(text)
-        return res
+    run = run_pytest(pytest_command(selection), bundle, env, deadline,
+                     (log_dir / f"pytest.{shard}.log") if log_dir else None, shard, jobs)
+    text, rc, timed_out = run["text"], run["returncode"], run["timed_out"]
+    cases = parse_junit_cases(run["junit"]) if run["junit"] is not None else parse_verbose_cases(text)
+    res = {"cases": cases, "returncode": rc, "timed_out": timed_out, "seconds": run["seconds"],
+           "summary": _summary_line(text, r"\d+ (passed|failed|error|skipped|deselected)"),
+           "tail": text[-3000:] if (rc not in (0, 1) or timed_out) else ""}
+    if timed_out:
+        res["cut_off_in"] = _cut_off_in(text)
+    return res
 
 
 def summarize(doc: dict) -> dict:

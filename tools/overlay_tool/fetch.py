@@ -5,6 +5,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .safety import owned_tempdir
 from .safety import run as run_child
@@ -33,13 +34,45 @@ def cached_wheel(pin: Pin, cache: Path) -> Path:
     return cache / pin.wheel
 
 
-def verify_wheel(pin: Pin, path: Path) -> None:
+def verify_sha256(path: Path, expected: str) -> None:
+    """Raise unless the cached file's sha256 is the pinned one (checked on every use)."""
     digest = sha256_with_progress(path)
-    if digest != pin.sha256:
+    if digest != expected:
         raise FetchError(
-            f"sha256 mismatch for {path}:\n  expected {pin.sha256} (pins.lock)\n  found    {digest}\n"
+            f"sha256 mismatch for {path}:\n  expected {expected} (pins.lock)\n  found    {digest}\n"
             f"the file was not used or changed; delete it to download it again"
         )
+
+
+def verify_wheel(pin: Pin, path: Path) -> None:
+    verify_sha256(path, pin.sha256)
+
+
+def fetch_verified(path: Path, expected: str, download: Callable[[Path], Path], *, what: str, plan: str,
+                   dry_run: bool = False, log=print) -> Path:
+    """A pinned file: ``path`` in the cache (sha256 checked on every use), or first downloaded by
+    ``download(tmp)`` (which returns the file it wrote into the temporary folder ``tmp``), checked,
+    then moved into the cache; a failed or mismatching download leaves nothing cached. ``plan``
+    is what --dry-run prints instead of downloading."""
+    if path.exists():
+        verify_sha256(path, expected)
+        log(f"{what}: {path} (sha256 verified)")
+        return path
+    if dry_run:
+        log(plan)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with owned_tempdir(".download-", path.parent) as tmp:
+        got = download(tmp)
+        digest = sha256_file(got)
+        if digest != expected:
+            raise FetchError(
+                f"sha256 mismatch for the downloaded {path.name}:\n  expected {expected} (pins.lock)\n"
+                f"  found    {digest}\nthe download was discarded; nothing was cached"
+            )
+        os.replace(got, path)
+    log(f"{what}: {path} (downloaded, sha256 verified)")
+    return path
 
 
 def pip_download_cmd(version: str, dest: Path) -> list[str]:
@@ -79,16 +112,8 @@ def download_unpinned(version: str, cache: Path, log=print) -> Path:
 
 def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
     """Return the pinned release wheel from the cache, downloading it first if absent."""
-    path = cached_wheel(pin, cache)
-    if path.exists():
-        verify_wheel(pin, path)
-        log(f"wheel: {path} (sha256 verified)")
-        return path
-    if dry_run:
-        log(f"would download vllm=={pin.version} ({pin.wheel}) into {cache} and check sha256 {pin.sha256}")
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    with owned_tempdir(".download-", cache) as tmp:
+
+    def download(tmp: Path) -> Path:
         cmd = pip_download_cmd(pin.version, tmp)
         log(f"downloading vllm=={pin.version} with pip ...")
         r = run_child(cmd, env=dict(os.environ, PIP_NO_INPUT="1"))  # its own process group: no terminal input
@@ -97,12 +122,7 @@ def fetch(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
         got = sorted(p.name for p in tmp.iterdir())
         if got != [pin.wheel]:
             raise FetchError(f"pip downloaded {got or 'nothing'}, expected exactly {pin.wheel} (pins.lock)")
-        digest = sha256_file(tmp / pin.wheel)
-        if digest != pin.sha256:
-            raise FetchError(
-                f"sha256 mismatch for the downloaded {pin.wheel}:\n  expected {pin.sha256} (pins.lock)\n"
-                f"  found    {digest}\nthe download was discarded; nothing was cached"
-            )
-        os.replace(tmp / pin.wheel, path)
-        log(f"wheel: {path} (downloaded, sha256 verified)")
-        return path
+        return tmp / pin.wheel
+
+    return fetch_verified(cached_wheel(pin, cache), pin.sha256, download, what="wheel", dry_run=dry_run, log=log,
+                          plan=f"would download vllm=={pin.version} ({pin.wheel}) into {cache} and check sha256 {pin.sha256}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FetchError, PatchError, RefusedError, UsageError
+from .fetch import fetch_verified
 from .patches import PatchFile, load_series, require_valid
 from .pins import Pin
 from .safety import owned_tempdir
@@ -33,14 +34,6 @@ def default_sdist_cache() -> Path:
     return Path(env).expanduser() if env else Path("~/.cache/glm5-overlay/sdists").expanduser()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _require_sdist(pin: Pin) -> None:
     if not pin.sdist or not pin.sdist_sha256:
         raise UsageError(f"pins.lock: [pins.\"{pin.version}\"] has no sdist/sdist_sha256 (vLLM's tests come from the sdist)")
@@ -49,19 +42,8 @@ def _require_sdist(pin: Pin) -> None:
 def fetch_sdist(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path:
     """The pinned sdist from the cache (sha256 checked on every use), downloaded first if absent."""
     _require_sdist(pin)
-    path = cache / pin.sdist_name
-    if path.exists():
-        digest = _sha256(path)
-        if digest != pin.sdist_sha256:
-            raise FetchError(f"sha256 mismatch for {path}:\n  expected {pin.sdist_sha256} (pins.lock)\n  found    {digest}\n"
-                             "the file was not used or changed; delete it to download it again")
-        log(f"sdist: {path} (sha256 verified)")
-        return path
-    if dry_run:
-        log(f"would download {pin.sdist} into {cache} and check sha256 {pin.sdist_sha256}")
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    with owned_tempdir(".download-", cache) as tmp:
+
+    def download(tmp: Path) -> Path:
         part = tmp / pin.sdist_name
         log(f"downloading {pin.sdist} ...")
         try:
@@ -69,13 +51,10 @@ def fetch_sdist(pin: Pin, cache: Path, dry_run: bool = False, log=print) -> Path
                 shutil.copyfileobj(r, f, 1 << 20)
         except OSError as e:  # URLError, HTTPError, timeouts are OSErrors
             raise FetchError(f"download of {pin.sdist} failed: {e}") from None
-        digest = _sha256(part)
-        if digest != pin.sdist_sha256:
-            raise FetchError(f"sha256 mismatch for the downloaded {pin.sdist_name}:\n  expected {pin.sdist_sha256} (pins.lock)\n"
-                             f"  found    {digest}\nthe download was discarded; nothing was cached")
-        os.replace(part, path)
-    log(f"sdist: {path} (downloaded, sha256 verified)")
-    return path
+        return part
+
+    return fetch_verified(cache / pin.sdist_name, pin.sdist_sha256, download, what="sdist", dry_run=dry_run, log=log,
+                          plan=f"would download {pin.sdist} into {cache} and check sha256 {pin.sdist_sha256}")
 
 
 @dataclass(frozen=True)
