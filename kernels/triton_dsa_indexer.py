@@ -62,6 +62,7 @@ benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_dsa
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 
@@ -414,10 +415,13 @@ def _paged_logits_kernel(
     stride_qb, stride_qn, stride_qh, stride_blk, stride_wr, stride_cb, stride_btb, stride_or,
     max_model_len, b0,
     NEXT_N: tl.constexpr, NN_P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    # The programs along x share one request's tiles, interleaved (tile t goes to program t % nprog),
+    # counted from the request's own context: work per program follows the context, not
+    # max_model_len, and the grid (nprog x B) comes from shapes only.
     pid_s = tl.program_id(0)
+    nprog = tl.num_programs(0)
     b = tl.program_id(1).to(tl.int64) + b0  # b0: first request of this launch (grid-y tiling)
     jj = tl.arange(0, NN_P)
     jm = jj < NEXT_N
@@ -428,8 +432,7 @@ def _paged_logits_kernel(
         lens = tl.where(jm, c - NEXT_N + 1 + jj, 0)
     lens = tl.minimum(tl.maximum(lens, 0), max_model_len)
     ctx_max = tl.max(lens, 0)
-    chunk0 = pid_s * (TILES * BLOCK_N)
-    n_tiles = tl.minimum(tl.maximum(tl.cdiv(ctx_max - chunk0, BLOCK_N), 0), TILES)
+    n_ctx_tiles = tl.cdiv(ctx_max, BLOCK_N)
 
     rr = tl.arange(0, NN_P * H)
     r_j = rr // H
@@ -441,11 +444,11 @@ def _paged_logits_kernel(
     w = tl.load(w_ptr + (b * NEXT_N + r_j) * stride_wr + r_h, mask=r_j < NEXT_N, other=0.0)
     orow = out_ptr + (b * NEXT_N + jj).to(tl.int64) * stride_or  # [NN_P]
     nb = tl.arange(0, BLOCK_N)
-    for t in tl.range(0, n_tiles, num_stages=NUM_STAGES):
-        pos = chunk0 + t * BLOCK_N + nb
+    for t in tl.range(pid_s, n_ctx_tiles, nprog, num_stages=NUM_STAGES):
+        pos = t * BLOCK_N + nb
         valid = pos < ctx_max
         if BLOCK_N <= PAGE:  # the tile lies inside one cache block: one block-table load
-            tile0 = chunk0 + t * BLOCK_N
+            tile0 = t * BLOCK_N
             blk = tl.load(bt_ptr + b * stride_btb + tile0 // PAGE).to(tl.int64)
         else:
             blk = tl.load(bt_ptr + b * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -463,26 +466,25 @@ def _paged_logits_kernel(
             lg = tl.sum(tl.reshape(s, [BLOCK_N, NN_P, H]), axis=2) * sc[:, None]
             lg = tl.where(pos[:, None] < lens[None, :], lg, float("-inf"))
             tl.store(orow[None, :] + pos[:, None], lg, mask=jm[None, :] & (pos < max_model_len)[:, None])
-    if CLEAN:
-        for t in range(n_tiles, TILES):
-            pos = chunk0 + t * BLOCK_N + nb
+    if CLEAN:  # the tiles past the context: first one of this program's at or after n_ctx_tiles
+        t0 = n_ctx_tiles + (pid_s - n_ctx_tiles % nprog + nprog) % nprog
+        for t in range(t0, tl.cdiv(max_model_len, BLOCK_N), nprog):
+            pos = t * BLOCK_N + nb
             ninf = tl.full([BLOCK_N, NN_P], float("-inf"), tl.float32)
             tl.store(orow[None, :] + pos[:, None], ninf, mask=jm[None, :] & (pos < max_model_len)[:, None])
 
 
 def paged_logits_config(batch: int, next_n: int, max_model_len: int, num_sms: int, waves: float = 4.0,
                         block_n: int = 64, heads: int = 32) -> dict:
-    """Tile/launch config from shapes only. A program covers ``TILES * BLOCK_N`` context positions
-    of one request; the chunk is sized so the grid holds ~``waves`` programs per SM when contexts
-    are ~max_model_len (shorter contexts exit early)."""
-    tokens = batch * max(max_model_len, 1)
-    per_prog = tokens / (num_sms * waves)
-    tiles = 1
-    while tiles < 32 and tiles * block_n * 2 <= per_prog:
-        tiles *= 2
+    """Launch config from shapes only: ``PROGS`` programs per request (grid x, not a compile-time
+    constant) share its context tiles of ``BLOCK_N`` positions, so the grid holds ~``waves``
+    programs per SM whatever the batch, and a short context in a long ``max_model_len`` costs
+    only its own tiles."""
+    progs = max(1, round(num_sms * waves / max(batch, 1)))
+    progs = min(progs, max(1, triton.cdiv(max_model_len, block_n)))
     # >= 256 MMA columns (e.g. 64 heads x next_n 4) spill with 4 warps on sm_121: use 8
     cols = triton.next_power_of_2(next_n) * heads
-    return dict(BLOCK_N=block_n, TILES=tiles, NUM_STAGES=3, num_warps=8 if cols >= 256 else 4)
+    return dict(BLOCK_N=block_n, PROGS=progs, NUM_STAGES=3, num_warps=8 if cols >= 256 else 4)
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -539,10 +541,10 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                               overrides.get("BLOCK_N", 64), H)
     cfg.update(overrides)
     num_warps = cfg.pop("num_warps")
-    chunk = cfg["TILES"] * cfg["BLOCK_N"]
+    progs = cfg.pop("PROGS")
     fp8v, f32v = _views(kv3)
     for b0, nb in grid_yz_tiles(B, max_grid_yz):
-        _paged_logits_kernel[(triton.cdiv(max_model_len, chunk), nb)](
+        _paged_logits_kernel[(progs, nb)](
             q, fp8v, f32v, weights, context_lens, block_table, out,
             q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
             block_table.stride(0), out.stride(0), max_model_len, b0,
@@ -701,8 +703,9 @@ SPEC_SMS = (8, 48, 84, 132, 148, 170, 188)
 
 def paged_dispatch_configs(heads=SPEC_HEADS, next_ns=SPEC_NEXT_N, batches=SPEC_BATCH,
                            max_model_lens=SPEC_MAX_MODEL_LEN, sms=SPEC_SMS) -> list[tuple[int, int, dict]]:
-    """Every distinct (H, next_n, paged_logits_config) the paged logits dispatch picks (default
-    WAVES and BLOCK_N, as vLLM calls it) over the given inputs."""
+    """Every distinct (H, next_n, compiled part of paged_logits_config) the paged logits dispatch
+    picks (default WAVES and BLOCK_N, as vLLM calls it) over the given inputs. ``PROGS`` is a grid
+    size, not compiled in, so it is left out."""
     seen = {}
     for H in heads:
         for nn_ in next_ns:
@@ -710,6 +713,7 @@ def paged_dispatch_configs(heads=SPEC_HEADS, next_ns=SPEC_NEXT_N, batches=SPEC_B
                 for L in max_model_lens:
                     for n in sms:
                         cfg = paged_logits_config(B, nn_, L, n, heads=H)
+                        cfg.pop("PROGS")
                         seen.setdefault((H, nn_, tuple(sorted(cfg.items()))), (H, nn_, cfg))
     return [seen[key] for key in sorted(seen)]
 
@@ -751,17 +755,16 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                                 "req_ptr", "num_tokens", "stride_blk", "stride_dk"],
             "num_warps": 4, "num_stages": 1,
         })
-    # paged logits: every (H, next_n, BLOCK_N, TILES, NUM_STAGES, warps) paged_logits_config picks
-    # (paged_dispatch_configs); CLEAN / CTX_2D (a store loop and the context-length loads, set by
-    # the caller, not the dispatch) rotate over them so that each of the four pairs is compiled
-    # with several tile counts (vLLM passes clean_logits=False and 2-D context lengths).
+    # paged logits: every (H, next_n, BLOCK_N, NUM_STAGES, warps) paged_logits_config picks
+    # (paged_dispatch_configs), each with the four CLEAN / CTX_2D pairs (a store loop and the
+    # context-length loads, set by the caller, not the dispatch; vLLM passes clean_logits=False
+    # and 2-D context lengths).
     flags = ((False, True), (True, False), (False, False), (True, True))
-    for i, (H, next_n, cfg) in enumerate(paged_dispatch_configs()):
-        clean, ctx_2d = flags[i % 4]
+    for (H, next_n, cfg), (clean, ctx_2d) in itertools.product(paged_dispatch_configs(), flags):
         cfg = dict(cfg)
         nw = cfg.pop("num_warps")
         specs.append({
-            "name": f"dsa_paged_logits[H={H},next_n={next_n},tiles={cfg['TILES']},w={nw},clean={int(clean)},"
+            "name": f"dsa_paged_logits[H={H},next_n={next_n},bn={cfg['BLOCK_N']},w={nw},clean={int(clean)},"
                     f"ctx2d={int(ctx_2d)}]",
             "fn": _paged_logits_kernel,
             "signature": {
@@ -771,7 +774,7 @@ def SM120_COMPILE_SPECS() -> list[dict]:
                 "stride_wr": "i32", "stride_cb": "i32", "stride_btb": "i32", "stride_or": "i32",
                 "max_model_len": "i32", "b0": "i32",
                 "NEXT_N": "constexpr", "NN_P": "constexpr", "H": "constexpr", "D": "constexpr",
-                "PAGE": "constexpr", "BLOCK_N": "constexpr", "TILES": "constexpr",
+                "PAGE": "constexpr", "BLOCK_N": "constexpr",
                 "CTX_2D": "constexpr", "CLEAN": "constexpr", "NUM_STAGES": "constexpr"},
             "constexprs": dict(NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=128, PAGE=64,
                                CTX_2D=ctx_2d, CLEAN=clean, **cfg),

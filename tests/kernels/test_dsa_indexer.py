@@ -322,7 +322,21 @@ def _run_paged(cache, mml, q, w, bt, cl, clean=True, **kw):
 def test_paged_logits_matches_reference(next_n, ctx_2d, clean, block_n):
     g = torch.Generator().manual_seed(3)
     cache, mml, q, w, bt, cl = _paged_case(g, next_n, ctx_2d)
-    res = _run_paged(cache, mml, q, w, bt, cl, clean, BLOCK_N=block_n, TILES=2)
+    res = _run_paged(cache, mml, q, w, bt, cl, clean, BLOCK_N=block_n, PROGS=2)
+    ref, mag = _paged_ref(q, cache, w, cl, bt, mml)
+    _check_logits(res, ref, mag, logits_eps(128, q.shape[2]), clean)
+
+
+@pytest.mark.parametrize("progs", [1, 3, 7])
+@pytest.mark.parametrize("clean", [True, False])
+def test_paged_logits_any_programs_per_request(progs, clean):
+    """The programs of a request share its context tiles interleaved (tile t -> program t % PROGS)
+    and, with clean_logits, the -inf tiles past the context the same way: every count of programs,
+    fewer or more than a row's 0-7 context tiles of 16 (max_model_len holds 7), gives the
+    reference; no column is left as the poison."""
+    g = torch.Generator().manual_seed(21)
+    cache, mml, q, w, bt, cl = _paged_case(g, next_n=2, ctx_2d=True)
+    res = _run_paged(cache, mml, q, w, bt, cl, clean, BLOCK_N=16, PROGS=progs)
     ref, mag = _paged_ref(q, cache, w, cl, bt, mml)
     _check_logits(res, ref, mag, logits_eps(128, q.shape[2]), clean)
 
@@ -668,8 +682,8 @@ def test_ragged_logits_tiled_grid_matches_one_launch(clean):
 def test_paged_logits_tiled_grid_matches_one_launch():
     g = torch.Generator().manual_seed(15)
     cache, mml, q, w, bt, cl = _paged_case(g, next_n=2)
-    a = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2).cpu()
-    b = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, TILES=2, MAX_GRID_YZ=1).cpu()
+    a = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, PROGS=2).cpu()
+    b = _run_paged(cache, mml, q, w, bt, cl, BLOCK_N=16, PROGS=2, MAX_GRID_YZ=1).cpu()
     assert torch.equal(a, b)
 
 

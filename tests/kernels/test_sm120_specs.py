@@ -59,15 +59,15 @@ def test_topk_specs_grow_with_the_dispatch():
 
 def test_paged_logits_specs_cover_every_dispatch_choice():
     specs = [s for s in I.SM120_COMPILE_SPECS() if s["fn"] is I._paged_logits_kernel]
-    have = set()
-    flags = set()
+    have = {}
     for s in specs:
         c = s["constexprs"]
-        have.add((c["H"], c["NEXT_N"], c["BLOCK_N"], c["TILES"], c["NUM_STAGES"], s["num_warps"]))
+        assert "PROGS" not in c, "PROGS is the grid size, not a compile-time constant"
         assert c["NN_P"] == triton.next_power_of_2(c["NEXT_N"])
-        flags.add((c["CLEAN"], c["CTX_2D"]))
-    assert flags == {(False, False), (False, True), (True, False), (True, True)}
-    assert {t for *_, t, _s, _w in have} == {1, 2, 4, 8, 16, 32}
+        key = (c["H"], c["NEXT_N"], c["BLOCK_N"], c["NUM_STAGES"], s["num_warps"])
+        have.setdefault(key, set()).add((c["CLEAN"], c["CTX_2D"]))
+    # every configuration with every caller flag pair (clean_logits, 2-D context lengths)
+    assert all(f == {(False, False), (False, True), (True, False), (True, True)} for f in have.values())
     rng = random.Random(1)
     for _ in range(3000):
         H = rng.choice(I.SPEC_HEADS)
@@ -76,7 +76,8 @@ def test_paged_logits_specs_cover_every_dispatch_choice():
         L = rng.randint(1, 1 << 20)
         sms = rng.choice(I.SPEC_SMS)
         cfg = I.paged_logits_config(B, nn_, L, sms, heads=H)
-        key = (H, nn_, cfg["BLOCK_N"], cfg["TILES"], cfg["NUM_STAGES"], cfg["num_warps"])
+        assert 1 <= cfg["PROGS"] <= max(1, -(-L // cfg["BLOCK_N"]))
+        key = (H, nn_, cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["num_warps"])
         assert key in have, f"paged logits config not among the SM120 specs: H={H} next_n={nn_} B={B} L={L}: {key}"
 
 
