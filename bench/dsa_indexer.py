@@ -208,12 +208,15 @@ from bench.common import time_graph_steps as time_graph  # noqa: E402
 # ------------------------------------------------------------------------------------------------
 
 
-def triton_step_fns(sh, inp, logit_over=None, topk_over=None):
+def triton_step_fns(sh, inp, logit_over=None, topk_over=None, out=None):
+    """Our logits, top-k and whole step as functions of the input set; ``out``: the logits buffer
+    (a new one by default), the indices and top-k scratch are the call's own."""
     import triton_dsa_indexer as I
     import triton_dsa_topk as T
     lo = logit_over or {}
     to = topk_over or {}
-    out = torch.empty(sh.rows, sh.mml, dtype=torch.float32, device="cuda")
+    if out is None:
+        out = torch.empty(sh.rows, sh.mml, dtype=torch.float32, device="cuda")
     idx = torch.empty(sh.rows, K_TOP, dtype=torch.int32, device="cuda")
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
@@ -239,23 +242,7 @@ def topk_path_fns(sh, inp, out, over):
     """The top-k alone and the whole step (logits + top-k) with the top-k forced by ``over``
     (``{"SHORT": False}``: the radix path; ``{"SHORT": True}``: the short-row kernel), on the same
     logits buffer ``out`` as triton_step_fns, with its own indices and scratch."""
-    import triton_dsa_indexer as I
-    import triton_dsa_topk as T
-    idx = torch.empty(sh.rows, K_TOP, dtype=torch.int32, device="cuda")
-    nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
-    tcfg.update(over)
-    scratch = torch.empty(T._scratch_layout(sh.rows, K_TOP, tcfg["CAP"], tcfg["SPLIT"])["total"],
-                          dtype=torch.int32, device="cuda")
-    ns = inp["n_sets"]
-
-    def topk(i):
-        T.persistent_topk(out, inp["lens"], idx, scratch, K_TOP, sh.mml, **over)
-
-    def both(i):
-        I.fp8_paged_mqa_logits(inp["q"], inp["pool"], inp["w"], inp["ctx2d"], inp["bts"][i % ns], sh.mml,
-                               clean_logits=False, out=out)
-        topk(i)
+    _, topk, both, _, _ = triton_step_fns(sh, inp, None, over, out=out)
     return topk, both
 
 
