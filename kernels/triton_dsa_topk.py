@@ -317,7 +317,7 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
-    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr,
+    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr, BISECT_BITS: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -336,7 +336,7 @@ def _topk_merge_kernel(
         cm = cj < L
         ku = _to_u(_f32_key(tl.load(src + cj.to(tl.int64) * stride_c, mask=cm, other=0.0)))
         if SHORT_SELECT:  # the short-row kernel's select (same output)
-            _bisect_store(tl.where(cm, ku, 0), cj, cm, L, out, K)
+            _bisect_store(tl.where(cm, ku, 0), cj, cm, L, out, K, BISECT_BITS)
         else:  # radix select, 32 // BITS passes
             _resolve_store(ku, cj, cm, 0, K, tl.full([], 32 // BITS, tl.int32), out, BITS)
     else:
@@ -412,12 +412,19 @@ def _topk_merge_kernel(
 
 
 @triton.jit
-def _bisect_store(u, j, m, L, out, K: tl.constexpr):
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _bisect_store(u, j, m, L, out, K: tl.constexpr, STEP_BITS: tl.constexpr = 2):
     """Write the K largest of the uint32 keys ``u`` (lanes ``m``, L of them, > K; other lanes 0) as
     their positions ``j`` to out[0..K), in ascending position order, ties at the k-th value to the
-    lowest positions. 4-way bisection on the key bits, 2 bits per step: the counts of three
-    thresholds in 21-bit fields of one int64 block sum (lanes < 2**21); ends at the k-th key or as
-    soon as the keys >= the prefix are exactly K; then one packed scan places the selection."""
+    lowest positions. Multisection on the key bits, ``STEP_BITS`` per step: 2 (16 steps at most):
+    the counts of three thresholds in 21-bit fields of one int64 block sum (lanes < 2**21); 4 (8
+    steps at most): a 16-bin histogram of the next digit in 16-bit fields of four int64 sums, one
+    block reduction (lanes < 2**16), the 15 threshold counts its suffix sums. Ends at the k-th key
+    or as soon as the keys >= the prefix are exactly K; then one packed scan places the selection."""
     # invariant: the k-th largest key is in [p, p + 2**s - 1];
     # c_ge = #(u >= p) >= K > c_gt = #(u >= p + 2**s)
     p = tl.zeros([], dtype=tl.uint32)
@@ -425,23 +432,64 @@ def _bisect_store(u, j, m, L, out, K: tl.constexpr):
     c_ge = L
     c_gt = tl.zeros([], dtype=tl.int32)
     while (s > 0) & (c_ge != K):
-        s -= 2
+        s -= STEP_BITS
         step = tl.full([], 1, tl.uint32) << s.to(tl.uint32)
-        t1 = p + step
-        t2 = t1 + step
-        t3 = t2 + step
-        # the three counts (< 2**21) in 21-bit fields of one int64 sum
-        v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
-        n = tl.sum(v, 0)
-        c1 = (n & 0x1FFFFF).to(tl.int32)
-        c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
-        c3 = (n >> 42).to(tl.int32)
-        ok3 = c3 >= K
-        ok2 = c2 >= K
-        ok1 = c1 >= K
-        c_gt = tl.where(ok3, c_gt, tl.where(ok2, c3, tl.where(ok1, c2, c1)))
-        c_ge = tl.where(ok3, c3, tl.where(ok2, c2, tl.where(ok1, c1, c_ge)))
-        p = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, p)))
+        if STEP_BITS == 2:
+            t1 = p + step
+            t2 = t1 + step
+            t3 = t2 + step
+            # the three counts (< 2**21) in 21-bit fields of one int64 sum
+            v = (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21) + ((u >= t3).to(tl.int64) << 42)
+            n = tl.sum(v, 0)
+            c1 = (n & 0x1FFFFF).to(tl.int32)
+            c2 = ((n >> 21) & 0x1FFFFF).to(tl.int32)
+            c3 = (n >> 42).to(tl.int32)
+            ok3 = c3 >= K
+            ok2 = c2 >= K
+            ok1 = c1 >= K
+            c_gt = tl.where(ok3, c_gt, tl.where(ok2, c3, tl.where(ok1, c2, c1)))
+            c_ge = tl.where(ok3, c3, tl.where(ok2, c2, tl.where(ok1, c1, c_ge)))
+            p = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, p)))
+        else:
+            tl.static_assert(STEP_BITS == 4, "STEP_BITS must be 2 or 4")
+            tl.static_assert(u.shape[0] < 65536, "16-bit histogram fields")
+            # digit of the keys inside the window [p, p + 16 * step) (the keys above it are the
+            # c_gt already counted, those below p count nowhere); bin v is field v % 4 of word
+            # v // 4; bin 0 is not needed
+            dgu = (u - p) >> s.to(tl.uint32)
+            in_win = (u >= p) & (dgu < 16)
+            dg = tl.where(in_win, dgu, 0).to(tl.int32)
+            one = tl.where(dg > 0, tl.full([], 1, tl.int64) << ((dg % 4) * 16).to(tl.int64), 0)
+            wd = dg // 4
+            h0, h1, h2, h3 = tl.reduce((tl.where(wd == 0, one, 0), tl.where(wd == 1, one, 0),
+                                        tl.where(wd == 2, one, 0), tl.where(wd == 3, one, 0)), 0, _add4)
+            # suffix sums from bin 15 down: c_v = #(u >= p + v * step); the largest v with c_v >= K
+            # moves the prefix there (c_{v+1}, counted before bin v, becomes c_gt)
+            acc = c_gt
+            found = tl.zeros([], dtype=tl.int1)
+            n_p = p
+            n_ge = c_ge
+            n_gt = c_gt
+            for vv in tl.static_range(15):
+                v: tl.constexpr = 15 - vv
+                if v >= 12:
+                    hw = h3
+                elif v >= 8:
+                    hw = h2
+                elif v >= 4:
+                    hw = h1
+                else:
+                    hw = h0
+                prev = acc
+                acc = prev + ((hw >> ((v % 4) * 16)) & 0xFFFF).to(tl.int32)
+                hit = (acc >= K) & (found == 0)
+                n_p = tl.where(hit, p + step * v, n_p)
+                n_ge = tl.where(hit, acc, n_ge)
+                n_gt = tl.where(hit, prev, n_gt)
+                found = found | hit
+            c_gt = tl.where(found, n_gt, acc)
+            c_ge = n_ge
+            p = n_p
     # window [p, p + 2**s - 1]: all of it is taken when c_ge == K (early end), else s == 0 and
     # it is the k-th value, of which the lowest-position K - c_gt are taken
     width = (tl.full([], 1, tl.uint32) << s.to(tl.uint32)) - 1
@@ -466,7 +514,7 @@ def _topk_short_kernel(
     a_ptr, b_ptr, next_n,
     out_ptr, stride_o,
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
-    K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, BISECT_BITS: tl.constexpr,
 ):
     """Rows of at most BLOCK columns (the whole call when max_seq_len <= SHORT_MAX), grid (rows,):
     one program per row, one launch, no scratch (the scratch pointers are unused; same arguments as
@@ -491,7 +539,7 @@ def _topk_short_kernel(
         x = tl.load(src + j.to(tl.int64) * stride_c, mask=m, other=0.0)
         # uint32 keys in float order; lanes past the row are 0, below every threshold (>= 1)
         u = tl.where(m, _to_u(_f32_key(x)), 0)
-        _bisect_store(u, j, m, L, out, K)
+        _bisect_store(u, j, m, L, out, K, BISECT_BITS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,6 +558,10 @@ SEG_MIN = 8192
 # select (``_topk_short_kernel``) unless ``SHORT=False`` is passed: its packed 16-bit counts hold
 # rows up to 32767 columns, its registers (no spills on sm_90 / sm_120) rows up to 8192.
 SHORT_MAX = 8192
+# Key bits the register-resident select (``_bisect_store``: the short-row kernel, and the merge
+# kernel's rows <= CAP) settles per step: 2 (three threshold counts per block sum, up to 16
+# steps) or 4 (a 16-bin histogram per block reduction, up to 8 steps).
+BISECT_BITS = 2
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -557,7 +609,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
-                SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True,
+                SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
                 short_warps=min(16, max(4, short_block // 256)))
 
 
@@ -664,8 +716,8 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
     launch and by SM120_COMPILE_SPECS, so the specs are exactly what the dispatch launches)."""
     cap, split = cfg["CAP"], cfg["SPLIT"]
     if cfg.get("SHORT"):  # every row <= SHORT_MAX: one launch, one program per row
-        return [(_topk_short_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, BLOCK=cfg["SHORT_BLOCK"]),
-                 cfg["short_warps"])]
+        return [(_topk_short_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, BLOCK=cfg["SHORT_BLOCK"],
+                                          BISECT_BITS=cfg["BISECT_BITS"]), cfg["short_warps"])]
     plan = []
     if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
         plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
@@ -673,7 +725,8 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
                                           GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),
-                                          SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True)))), merge_warps))
+                                          SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True))),
+                                          BISECT_BITS=cfg["BISECT_BITS"]), merge_warps))
     return plan
 
 

@@ -385,11 +385,13 @@ SHORT_KINDS = ["randn", "quantized", "ties", "zeros", "neg_inf", "mostly_neg_inf
                "negative", "spikes", "dups", "increasing"]
 
 
+@pytest.mark.parametrize("bisect_bits", [2, 4])
 @pytest.mark.parametrize("kind", SHORT_KINDS)
-def test_short_path_exact(kind, seed):
+def test_short_path_exact(kind, bisect_bits, seed):
     """The dispatch takes the short-row kernel for max_seq_len <= SHORT_MAX (no overrides): exact
     top-k (lowest positions win ties) on fresh random rows of every length class: empty, shorter
-    than k, exactly k, k + 1, random, the full width; the same set as the radix path (SHORT=False)."""
+    than k, exactly k, k + 1, random, the full width; the same set as the radix path (SHORT=False),
+    with either multisection step (2 or 4 key bits)."""
     g = torch.Generator().manual_seed(seed)
     k, n = 64, 1000
     assert T.topk_config(k, n)["SHORT"] and T._launch_plan(T.topk_config(k, n), k, 2, n, 8, 16)[0][0] is \
@@ -398,7 +400,7 @@ def test_short_path_exact(kind, seed):
     r = torch.randint(k + 2, n, (2,), generator=g).tolist()
     lens = torch.tensor([0, 1, k - 1, k, k + 1, r[0], r[1], n], dtype=torch.int32)
     out = torch.full((8, k), -7, dtype=torch.int32, device=DEVICE)
-    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, BISECT_BITS=bisect_bits)
     if kind != "signed_zeros":  # (the float64 reference ties -0.0 with +0.0; the kernels order them)
         _check(out, T.persistent_topk_reference(lg, lens, k))
     old = torch.full((8, k), -7, dtype=torch.int32, device=DEVICE)
@@ -485,16 +487,17 @@ def test_short_config_blocks_and_warps():
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("bisect_bits", [2, 4])
 @pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "positive", "ties"])
 @pytest.mark.parametrize("width", [2048, 3000, 4096, 8192])
-def test_gpu_short_path_k2048(kind, width):
+def test_gpu_short_path_k2048(kind, width, bisect_bits):
     g = torch.Generator().manual_seed(width + len(kind))
     rows = 6
     lg = _short_rows(kind, rows, width, g).cuda()
     lens = torch.tensor([1, 2048, min(2049, width), max(width // 2, 1), width - 1, width], dtype=torch.int32,
                         device="cuda")
     out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
-    T.persistent_topk(lg, lens, out, None, 2048, width)
+    T.persistent_topk(lg, lens, out, None, 2048, width, BISECT_BITS=bisect_bits)
     assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
     old = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
     T.persistent_topk(lg, lens, old, None, 2048, width, SHORT=False)
@@ -504,8 +507,10 @@ def test_gpu_short_path_k2048(kind, width):
         assert torch.equal(T.canonical(out), T.canonical(old))
 
 
-def test_short_path_fuzz(seed):
-    """Random k (1..300), widths (BLOCK 1024 / 2048 / 4096), data kinds and row lengths."""
+@pytest.mark.parametrize("bisect_bits", [2, 4])
+def test_short_path_fuzz(bisect_bits, seed):
+    """Random k (1..300), widths (BLOCK 1024 / 2048 / 4096), data kinds and row lengths; the same
+    output (positions in ascending order) with either multisection step."""
     import random
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -516,10 +521,13 @@ def test_short_path_fuzz(seed):
         lg = _short_rows(kind, 4, n, g)
         lens = torch.tensor([rng.randint(0, n) for _ in range(3)] + [n], dtype=torch.int32)
         out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
-        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, BISECT_BITS=bisect_bits)
         ref = T.persistent_topk_reference(lg, lens, k)
         got = T.canonical(out)
         assert torch.equal(got, ref), f"k={k} n={n} kind={kind} lens={lens.tolist()}: {_first_diff(got, ref)}"
+        other = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), other, None, k, n, BISECT_BITS=6 - bisect_bits)
+        assert torch.equal(out.cpu(), other.cpu()), "the 2- and 4-bit steps write different outputs"
 
 
 @pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "ties"])
@@ -534,12 +542,12 @@ def test_merge_kernel_short_rows_bisect(kind, seed):
     cfg = T.topk_config(k, 1 << 20)
     assert not cfg["SHORT"] and cfg["SHORT_SELECT"]
     outs = []
-    for over in (dict(SMALL, SHORT_SELECT=True), SMALL):
+    for over in (dict(SMALL, SHORT_SELECT=True), dict(SMALL, SHORT_SELECT=True, BISECT_BITS=4), SMALL):
         out = torch.full((7, k), -7, dtype=torch.int32, device=DEVICE)
         T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, **over)
         _check(out, T.persistent_topk_reference(lg, lens, k))
         outs.append(out.cpu())
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     plan = T._launch_plan(cfg, k, 2, 1 << 20, 8, 16)
     assert plan[-1][0] is T._topk_merge_kernel and plan[-1][1]["SHORT_SELECT"] == 1
 
