@@ -470,20 +470,19 @@ def _bisect_store(u, j, m, L, out, K: tl.constexpr, STEP_BITS: tl.constexpr = 2)
             n_p = p
             n_ge = c_ge
             n_gt = c_gt
-            for vv in tl.static_range(15):
-                v: tl.constexpr = 15 - vv
-                if v >= 12:
+            for vv in tl.static_range(15):  # bin v = 15 - vv (a compile-time constant)
+                if 15 - vv >= 12:
                     hw = h3
-                elif v >= 8:
+                elif 15 - vv >= 8:
                     hw = h2
-                elif v >= 4:
+                elif 15 - vv >= 4:
                     hw = h1
                 else:
                     hw = h0
                 prev = acc
-                acc = prev + ((hw >> ((v % 4) * 16)) & 0xFFFF).to(tl.int32)
+                acc = prev + ((hw >> (((15 - vv) % 4) * 16)) & 0xFFFF).to(tl.int32)
                 hit = (acc >= K) & (found == 0)
-                n_p = tl.where(hit, p + step * v, n_p)
+                n_p = tl.where(hit, p + step * (15 - vv), n_p)
                 n_ge = tl.where(hit, acc, n_ge)
                 n_gt = tl.where(hit, prev, n_gt)
                 found = found | hit

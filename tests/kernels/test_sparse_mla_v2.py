@@ -312,8 +312,12 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
     worst = head_err.max().item() if head_err.numel() else 0.0
     assert worst < TOL_HEAD[q.dtype], f"per-head relative error {worst:.2e} at {divmod(int(head_err.argmax()), H)}"
     if fin.any():
+        # the whole-output bound is the per-head one averaged over many (row, head) pairs; with
+        # fewer than 8 of them (T = H = 1: the whole output is one head) the per-head bound is
+        # what holds (seen on the H200: 1.19e-2 at T = H = 1, bf16, DISABLE_MMA_V3=1)
+        tol = TOL_ALL[q.dtype] if int(fin.sum()) >= 8 else TOL_HEAD[q.dtype]
         err = ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
-        assert err < TOL_ALL[q.dtype], f"relative error {err:.2e}"
+        assert err < tol, f"relative error {err:.2e}"
         lerr = (lse.double()[fin] - rl[fin]).abs().max().item()
         assert lerr < TOL_LSE[q.dtype], f"lse error {lerr:.2e}"
     return worst
