@@ -559,7 +559,7 @@ def main():
     for sh in shapes + sweep_shapes:
         for v in ([{}] + [x.get("logits", {}) for x in variants]):
             v = dict(v)
-            cfg = I.paged_logits_config(sh.B, sh.nn, sh.mml, nsm, v.pop("WAVES", 4.0), v.get("BLOCK_N", 64))
+            cfg = I.paged_logits_config(sh.B, sh.nn, sh.mml, nsm, v.pop("WAVES", I.PAGED_WAVES), v.get("BLOCK_N", 64))
             cfg.update(v)
             t = ("logits", sh.B, sh.nn, sh.mml, cfg)
             if t not in tasks:

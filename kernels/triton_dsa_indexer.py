@@ -474,7 +474,13 @@ def _paged_logits_kernel(
             tl.store(orow[None, :] + pos[:, None], ninf, mask=jm[None, :] & (pos < max_model_len)[:, None])
 
 
-def paged_logits_config(batch: int, next_n: int, max_model_len: int, num_sms: int, waves: float = 4.0,
+# Programs per SM the paged-logits grid aims at (``paged_logits_config``). On the H200
+# (bench/results/indexer_h200.json, sweep) 4 lost 12-20% against the chunked grid it replaced at
+# 32k-128k with 16-128 rows (too few loads in flight), 8 matched it where swept; 2 lost more.
+PAGED_WAVES = 16.0
+
+
+def paged_logits_config(batch: int, next_n: int, max_model_len: int, num_sms: int, waves: float = PAGED_WAVES,
                         block_n: int = 64, heads: int = 32) -> dict:
     """Launch config from shapes only: ``PROGS`` programs per request (grid x, not a compile-time
     constant) share its context tiles of ``BLOCK_N`` positions, so the grid holds ~``waves``
@@ -535,7 +541,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if rows == 0 or max_model_len == 0:
         return out
     overrides = dict(overrides)
-    waves = overrides.pop("WAVES", 4.0)
+    waves = overrides.pop("WAVES", PAGED_WAVES)
     max_grid_yz = overrides.pop("MAX_GRID_YZ", MAX_GRID_YZ)
     cfg = paged_logits_config(B, next_n, max_model_len, _device_sms(q.device), waves,
                               overrides.get("BLOCK_N", 64), H)
