@@ -474,10 +474,11 @@ def _paged_logits_kernel(
             tl.store(orow[None, :] + pos[:, None], ninf, mask=jm[None, :] & (pos < max_model_len)[:, None])
 
 
-# Programs per SM the paged-logits grid aims at (``paged_logits_config``). On the H200
-# (bench/results/indexer_h200.json, sweep) 4 lost 12-20% against the chunked grid it replaced at
-# 32k-128k with 16-128 rows (too few loads in flight), 8 matched it where swept; 2 lost more.
-PAGED_WAVES = 16.0
+# Programs per SM the paged-logits grid aims at (``paged_logits_config``). Swept on the H200
+# (bench/dsa_indexer.py --sweep): 4 lost 12-20% against the chunked grid it replaced at 32k-128k
+# with 16-128 rows (too few loads in flight), 2 lost more; 16 took 5-9% longer than 8 at 4k-128k
+# with 16-128 rows; 8 matched or beat the chunked grid there.
+PAGED_WAVES = 8.0
 
 
 def paged_logits_config(batch: int, next_n: int, max_model_len: int, num_sms: int, waves: float = PAGED_WAVES,
