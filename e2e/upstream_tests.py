@@ -363,13 +363,19 @@ def report(doc: dict) -> None:
 
 
 def merge(docs: list[dict], command: str) -> dict:
-    """One results file from runs of different backends (same commit, bundle, GPU, vLLM)."""
+    """One results file from runs of different backends (same commit, bundle, GPU, vLLM). A backend
+    from a run stopped at its deadline (possibly unfinished) is replaced by the same backend from a
+    run that finished; a backend in two finished runs, or only in stopped ones twice, is refused.
+    Backends kept from a stopped run are marked ``"complete": false`` and keep the merge's
+    ``timed_out`` (so ``ok``) false."""
     if not docs:
         raise ValueError("nothing to merge")
     first = docs[0]
-    out = {k: v for k, v in first.items() if k not in ("backends", "totals", "ok", "command", "runs")}
+    out = {k: v for k, v in first.items() if k not in ("backends", "totals", "ok", "command", "runs", "timed_out",
+                                                        "problems")}
     out["command"] = command
-    out["merged_from"] = [{"command": d["command"], "backends": sorted(d["backends"])} for d in docs]
+    out["merged_from"] = [{"command": d["command"], "backends": sorted(d["backends"]),
+                           "timed_out": bool(d.get("timed_out"))} for d in docs]
     out["backends"], out["problems"] = {}, []
     for d in docs:
         for key in ("commit", "vllm", "bundle", "tree_sha256"):
@@ -378,12 +384,19 @@ def merge(docs: list[dict], command: str) -> dict:
         for key in ("gpu", "torch", "triton"):
             if d["environment"].get(key) != first["environment"].get(key):
                 raise ValueError(f"cannot merge results from different environments: {key}")
+        stopped = bool(d.get("timed_out"))
         for b, r in d["backends"].items():
-            if b in out["backends"]:
-                raise ValueError(f"backend {b} appears in more than one file")
-            out["backends"][b] = r
-        out["problems"] += d.get("problems", [])
-        out["timed_out"] = bool(out.get("timed_out") or d.get("timed_out"))
+            have = out["backends"].get(b)
+            if have is not None and (have["complete"] or stopped):
+                raise ValueError(f"backend {b} appears in more than one file (only a run stopped at its deadline "
+                                 f"may be replaced, by one that finished)")
+            out["backends"][b] = dict(r, complete=not stopped)
+        out["problems"] += [p for p in d.get("problems", []) if not (stopped and p.startswith("stopped at"))]
+    partial = [b for b, r in out["backends"].items() if not r["complete"]]
+    out["timed_out"] = bool(partial)
+    if partial:
+        out["problems"].append(f"stopped at a deadline, not re-run: {', '.join(partial)} (counts are of the tests "
+                               "that finished)")
     out["backends"] = {k: out["backends"][k] for k in [*BACKENDS, "other"] if k in out["backends"]}
     return summarize(out)
 

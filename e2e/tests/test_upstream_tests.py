@@ -202,6 +202,25 @@ def test_merge_combines_backends_of_one_commit(tmp_path):
     assert U.main(["--merge", str(a), str(b), "--out", str(tmp_path / "r")]) == 1  # a failure: not ok
 
 
+def test_merge_replaces_a_backend_of_a_stopped_run_by_a_finished_one(tmp_path):
+    """A run stopped at its deadline (all backends, some unfinished) and a re-run of one backend
+    that finished: that backend comes from the re-run; the others stay marked incomplete, the
+    merge stays timed out (not ok) and says which; two finished runs of a backend are refused."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    stopped = _doc({"FlashMLA": {"passed": 2, "skipped": 3}, "TritonMLASparse": {"passed": 1}})
+    stopped.update(timed_out=True, problems=["stopped at --deadline-s 300: the tests that had not finished are "
+                                             "not counted"])
+    a.write_text(json.dumps(U.summarize(stopped)))
+    b.write_text(json.dumps(_doc({"TritonMLASparse": {"passed": 4, "skipped": 4}})))
+    assert U.main(["--merge", str(a), str(b), "--out", str(tmp_path / "r")]) == 1  # FlashMLA incomplete: not ok
+    doc = json.loads((tmp_path / "r" / f"{U.NAME}.json").read_text())
+    assert doc["backends"]["TritonMLASparse"]["counts"]["passed"] == 4 and doc["backends"]["TritonMLASparse"]["complete"]
+    assert not doc["backends"]["FlashMLA"]["complete"] and doc["timed_out"] and not doc["ok"]
+    assert doc["problems"] == ["stopped at a deadline, not re-run: FlashMLA (counts are of the tests that finished)"]
+    assert U.main(["--merge", str(b), str(b), "--out", str(tmp_path / "r")]) == 2  # finished twice
+    assert U.main(["--merge", str(b), str(a), "--out", str(tmp_path / "r")]) == 2  # stopped after finished
+
+
 def test_deps_list_names_each_wheel_once_with_a_version():
     deps = U.read_deps()
     names = [re.split(r"==", d)[0].lower() for d in deps]
