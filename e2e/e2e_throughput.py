@@ -1119,8 +1119,12 @@ def merge(paths: list[str], dest: pathlib.Path, plot_path: str | None = None, ta
     dups = []
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
-        merged["merged_from"].append({"file": pathlib.Path(p).name, "command": d.get("command"), "call": d.get("call"),
-                                      "device_time_s": d.get("device_time_s"), "status": d.get("status")})
+        if "merged_from" in d:  # an earlier merge (its calls' files may be gone): its calls as they were
+            merged["merged_from"].extend(d["merged_from"])
+        else:
+            merged["merged_from"].append({"file": pathlib.Path(p).name, "command": d.get("command"),
+                                          "call": d.get("call"), "device_time_s": d.get("device_time_s"),
+                                          "status": d.get("status")})
         for r in d.get("records", []):
             if r.get("kind") not in ("decode", "prefill"):
                 continue

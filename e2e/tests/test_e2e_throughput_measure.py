@@ -454,6 +454,15 @@ def test_merge_joins_calls_flags_duplicates_and_writes_tables(tmp_path, monkeypa
     d = json.loads((tmp_path / "out" / "e2e_h200.json").read_text())
     assert len(d["duplicates"]) == 1 and d["implausible_points"][0]["kind"] == "decode"
     assert "FAIL" in d["table"]
+    # an earlier merge as an input (its calls' files gone): its calls and records carried over
+    assert T.main(["--merge", str(f1), "--out-name", "first"]) == 0
+    f4 = tmp_path / "c4.json"
+    f4.write_text(json.dumps({"command": "d", "call": 4, "device_time_s": 100.0, "records": [
+        rec("TRITON_MLA_SPARSE", "fp8_ds_mla", 950.0, run=2)], "engines": {}}))
+    assert T.main(["--merge", str(tmp_path / "out" / "first.json"), str(f4), "--out-name", "both"]) == 0
+    d = json.loads((tmp_path / "out" / "both.json").read_text())
+    assert [m["file"] for m in d["merged_from"]] == ["c1.json", "c4.json"] and len(d["records"]) == 3
+    assert d["device_time_s"]["total"] == 600.0 and "tp1_triton_fp8_ds_mla_run1" in d["engines"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
