@@ -97,6 +97,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import e2e_common as C  # noqa: E402
+from gpu_tests import git_commit, tree_digest  # noqa: E402
 
 BACKENDS: dict[str, dict[str, Any]] = {
     "triton_fp8_ds_mla": {"backend": "TRITON_MLA_SPARSE", "kv": "fp8_ds_mla"},
@@ -1015,6 +1016,8 @@ def driver(a: argparse.Namespace, engines: list[dict[str, Any]], name: str, call
         "name": name, "call": call,
         "command": "python3 " + " ".join(shlex.quote(x) for x in sys.argv),
         "settings": {k: v for k, v in vars(a).items() if k not in ("merge", "worker")},
+        # which code the numbers are for (the host's checkout has no .git: pass --commit)
+        "commit": a.commit or git_commit(), "tree_sha256": tree_digest("overlay", "kernels"),
         "plan": plan_info, "engines": {}, "records": [],
     }
     run = C.Run(res_path, results, tag="e2e-tput")
@@ -1041,6 +1044,7 @@ def driver(a: argparse.Namespace, engines: list[dict[str, Any]], name: str, call
     def on_done(job: C.Job, res: dict[str, Any]) -> None:
         for r in res.get("records", []):
             r["command"] = results["command"]
+            r["commit"] = results["commit"]
         results["engines"][job.name] = res
         results["records"] = [r for e in results["engines"].values() for r in e.get("records", [])]
         run.save()
@@ -1124,7 +1128,8 @@ def merge(paths: list[str], dest: pathlib.Path, plot_path: str | None = None, ta
         else:
             merged["merged_from"].append({"file": pathlib.Path(p).name, "command": d.get("command"),
                                           "call": d.get("call"), "device_time_s": d.get("device_time_s"),
-                                          "status": d.get("status")})
+                                          "status": d.get("status"), "commit": d.get("commit"),
+                                          "tree_sha256": d.get("tree_sha256")})
         for r in d.get("records", []):
             if r.get("kind") not in ("decode", "prefill"):
                 continue
@@ -1225,6 +1230,7 @@ def main(argv=None) -> int:
     g.add_argument("--prefetch-imports", action="store_true",
                    help="start the next engine's imports during a measurement (never for timed work)")
     g.add_argument("--deadline-s", type=float, default=560.0)
+    g.add_argument("--commit", default=None, help="the commit, where the checkout has no .git (recorded)")
     g.add_argument("--engine-timeout-s", type=float, default=540.0)
     g.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     g = ap.add_argument_group("merge")

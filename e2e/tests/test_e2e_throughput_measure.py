@@ -412,6 +412,9 @@ def test_fake_mtp_engine_reports_the_draft_backend(tmp_path):
     assert eng["log_facts"]["draft_attention_backends_logged"] == ["FLASHMLA_SPARSE"]
     assert res["records"][0]["num_speculative_tokens"] == 1
     assert "MTP draft backend" in p.stdout
+    # which code the numbers are for
+    assert set(res["tree_sha256"]) == {"overlay", "kernels"} and "commit" in res
+    assert res["records"][0]["commit"] == res["commit"]
 
 
 def test_merge_joins_calls_flags_duplicates_and_writes_tables(tmp_path, monkeypatch):
