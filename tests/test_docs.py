@@ -26,7 +26,6 @@ NOT_PATHS = {"overlay/kernels", "overlay/0.26.0",
 # results the README names before their first GPU run, each saying so where it is named; an entry
 # must go once the file exists (test_pending_results_are_still_pending)
 PENDING: dict[str, str] = {  # path -> why it is not in the checkout yet
-    "bench/results/upstream_sparse_mla_tests_h200.json": "vLLM's own sparse MLA test on the H200: not run yet",
 }
 
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

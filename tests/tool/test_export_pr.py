@@ -214,6 +214,8 @@ def test_export_pr_carries_tests_in_vllm_layout(tmp_path):
 
 
 def test_export_pr_test_plan_reads_the_results_files(tmp_path):
+    import json
+
     p = _project_with_tests(tmp_path)
     out = tmp_path / "prs"
     p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
@@ -227,6 +229,14 @@ def test_export_pr_test_plan_reads_the_results_files(tmp_path):
     f.write_text(f.read_text().replace("417", "418"))
     p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
     assert "`plain`: 418 passed" in (out / "triton-k" / "PR.md").read_text()
+    # per backend (e2e/upstream_tests.py), a backend from a run stopped at its deadline says so
+    f.write_text(json.dumps({"commit": "abc1234", "command": "python3 e2e/upstream_tests.py", "environment": {},
+                             "backends": {"Ours": {"counts": {"passed": 5, "failed": 0, "skipped": 1}, "complete": True},
+                                          "Peer": {"counts": {"passed": 2, "failed": 0, "skipped": 0}, "complete": False}}}))
+    p.run("--out", str(out), "export-pr", "--concern", "triton-k", "--signoff", "A <a@b.c>", check_rc=0)
+    pr = (out / "triton-k" / "PR.md").read_text()
+    assert "`Ours`: 5 passed, 0 failed, 1 skipped\n" in pr
+    assert "`Peer`: 2 passed, 0 failed, 0 skipped (from a run stopped at its deadline: not every case finished)" in pr
 
 
 def test_export_pr_refuses_a_test_that_cannot_run_in_vllm(tmp_path):

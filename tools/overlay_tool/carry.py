@@ -251,7 +251,9 @@ def results_section(root: Path, results) -> list[str]:
             modes = d.get("modes") or d.get("backends") or {"run": {"counts": d.get("totals", {})}}
             for mode, m in modes.items():
                 c = m.get("counts", {})
-                L.append(f"  - `{mode}`: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in c))
+                part = " (from a run stopped at its deadline: not every case finished)" if m.get("complete") is False else ""
+                L.append(f"  - `{mode}`: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in c)
+                         + part)
             if d.get("command"):
                 L.append(f"  - command: `{d['command']}`")
             continue
