@@ -533,11 +533,19 @@ def main():
     ap.add_argument("--sweep-shapes", default="32768:1,32768:16,32768:64,131072:64,4096:128")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "indexer_h200"))
+    ap.add_argument("--replot", metavar="JSON", help="no GPU: write JSON's .md table and .png plot beside it, exit")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=15.0)
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later shapes are skipped past it")
     args = ap.parse_args()
+    if args.replot:  # the table and plot of a results file (written on the GPU host without the plot)
+        result = json.loads(open(args.replot).read())
+        stem = args.replot[:-len(".json")] if args.replot.endswith(".json") else args.replot
+        write_md(result, stem + ".md")
+        plot(result, stem + ".png")
+        log(f"wrote {stem}.md and {stem}.png from {args.replot}")
+        return
     TIMING.update(target_ms=args.target_ms, rounds=args.rounds)
     t_start = time.time()
     import triton
