@@ -326,6 +326,102 @@ def gpu_used_mib() -> list[int] | None:
         return None
 
 
+# GPU state sampled during each timed pass (GpuSampler): a pass that ran at lower clocks, hotter or
+# power-capped than its neighbours explains its time without the code. The reasons field was renamed
+# in newer drivers (clocks_throttle_reasons -> clocks_event_reasons); the first one the driver knows
+# is used, none when neither is.
+TELEMETRY_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+def _reason_field() -> str | None:
+    for f in REASON_FIELDS:
+        try:
+            r = subprocess.run(["nvidia-smi", f"--query-gpu={f}", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if r.returncode == 0 and r.stdout.strip():
+            return f
+    return None
+
+
+def summarize_telemetry(lines: list[str], with_reasons: bool) -> dict[str, Any] | None:
+    """nvidia-smi CSV lines (sm MHz, mem MHz, W, C[, reasons bitmask]) -> min / median / max of each
+    and the distinct reason masks seen; lines that do not parse ("[N/A]", a header) are skipped."""
+    cols: dict[str, list[float]] = {k: [] for k in ("sm_mhz", "mem_mhz", "power_w", "temp_c")}
+    reasons: set[str] = set()
+    n = 0
+    for ln in lines:
+        parts = [x.strip() for x in ln.split(",")]
+        if len(parts) < 4 + int(with_reasons):
+            continue
+        try:
+            vals = [float(x) for x in parts[:4]]
+        except ValueError:
+            continue
+        n += 1
+        for k, v in zip(cols, vals):
+            cols[k].append(v)
+        if with_reasons:
+            reasons.add(parts[4])
+    if not n:
+        return None
+    out: dict[str, Any] = {"n": n}
+    for k, v in cols.items():
+        v = sorted(v)
+        out[k] = {"min": v[0], "median": v[len(v) // 2], "max": v[-1]}
+    if with_reasons:
+        out["reasons"] = sorted(reasons)
+    return out
+
+
+class GpuSampler:
+    """``with GpuSampler() as g: <timed pass>`` then ``g.summary``: nvidia-smi samples GPU ``gpu``'s
+    SM and memory clocks, power, temperature and active clock-event reasons every ``period_ms``
+    in its own process while the pass runs (never CUDA in this process); None without nvidia-smi.
+    Also the host's 1-minute load average at the end (other work on the host)."""
+
+    _reason: str | None | bool = False  # probed once per process
+
+    def __init__(self, gpu: int = 0, period_ms: int = 200):
+        self.gpu, self.period_ms = gpu, period_ms
+        self.proc: subprocess.Popen | None = None
+        self.summary: dict[str, Any] | None = None
+
+    def __enter__(self) -> "GpuSampler":
+        if GpuSampler._reason is False:
+            GpuSampler._reason = _reason_field()
+        fields = ",".join(TELEMETRY_FIELDS + ((GpuSampler._reason,) if GpuSampler._reason else ()))
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", str(self.gpu), f"--query-gpu={fields}",
+                                          "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        lines: list[str] = []
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                out, _ = self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, _ = self.proc.communicate()
+            lines = (out or "").splitlines()
+        self.summary = summarize_telemetry(lines, bool(GpuSampler._reason))
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = None
+        if self.summary is not None:
+            self.summary["loadavg_1m"] = load
+        else:
+            self.summary = {"n": 0, "loadavg_1m": load}
+
+
 def wait_gpu_idle(max_used_mib: int = 4096, timeout_s: float = 60.0, log=print) -> dict[str, Any]:
     """Wait until the previous engine's memory is released (vLLM checks at start that
     gpu_memory_utilization x total is free)."""

@@ -306,7 +306,10 @@ def decode_record(base: dict[str, Any], samples: list[dict[str, Any]]) -> dict[s
                        "step_ms": [s.get("step_ms") for s in samples],
                        "tpot_vllm_ms": [s.get("tpot_vllm_ms") for s in samples],
                        "window_steps": [s.get("window_steps") for s in samples],
-                       "ramp_steps": [s.get("ramp_steps") for s in samples]},
+                       "ramp_steps": [s.get("ramp_steps") for s in samples],
+                       # GPU clocks / power / temperature / clock-event reasons and host load of
+                       # each pass (C.GpuSampler; None where not sampled)
+                       "gpu": [s.get("gpu") for s in samples]},
            "spread": {"tpot_ms": spread(tp), "decode_tok_s": spread([s.get("decode_tok_s") for s in samples])},
            "implausible": bad}
     rec["ok"] = not bad and len(samples) >= MIN_REPEATS
@@ -845,8 +848,10 @@ def worker(spec: dict[str, Any], jobdir: pathlib.Path) -> None:
                     before = metrics_snapshot(llm) if k else None
                     samples = []
                     for _ in range(R):
-                        ev, fin, wall = gen_steps(ps, 1 + N)
+                        with C.GpuSampler() as gs:
+                            ev, fin, wall = gen_steps(ps, 1 + N)
                         s = analyze_decode(ev, b, 1 + N, spec_k=k)
+                        s["gpu"] = gs.summary
                         hit = min(f["cached"] for f in fin)
                         if hit < ctx - 2 * 64:
                             s["errors"].append(f"prefix-cache hit of only {hit} of {ctx} tokens")

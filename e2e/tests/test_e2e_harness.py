@@ -461,3 +461,44 @@ def test_wait_gpu_idle_polls_nvidia_smi_and_gives_up(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", missing)
     assert C.gpu_used_mib() is None and C.wait_gpu_idle(log=lambda *_: None)["used_mib"] is None
+
+
+def test_summarize_telemetry_reads_nvidia_smi_lines():
+    lines = ["1980, 3201, 512.3, 61, 0x0000000000000000", "1755, 3201, 699.9, 66, 0x0000000000000004",
+             "[N/A], 3201, 500.0, 60, 0x0", "clocks.sm [MHz], x", "1980, 3201, 520.0, 62, 0x0000000000000000"]
+    s = C.summarize_telemetry(lines, with_reasons=True)
+    assert s["n"] == 3
+    assert s["sm_mhz"] == {"min": 1755.0, "median": 1980.0, "max": 1980.0}
+    assert s["power_w"]["max"] == 699.9 and s["temp_c"]["min"] == 61.0
+    assert s["reasons"] == ["0x0000000000000000", "0x0000000000000004"]
+    assert C.summarize_telemetry(["1980, 3201, 512.3, 61"], with_reasons=False)["n"] == 1
+    assert C.summarize_telemetry([], with_reasons=False) is None
+
+
+FAKE_SMI = """#!/bin/sh
+# an older driver: the renamed reasons field is unknown, the old one answers
+case "$*" in
+  *clocks_event_reasons*) echo "Field is not a valid field to query." >&2; exit 2 ;;
+  *-lms=*) while true; do echo "1980, 3201, 512.3, 61, 0x0000000000000000"; sleep 0.05; done ;;
+  *clocks_throttle_reasons*) echo "0x0000000000000000" ;;
+esac
+"""
+
+
+def test_gpu_sampler_samples_while_the_pass_runs(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(C.GpuSampler, "_reason", False)
+    with C.GpuSampler(period_ms=50) as g:
+        time.sleep(0.4)
+    assert C.GpuSampler._reason == "clocks_throttle_reasons.active"
+    assert g.summary["n"] >= 2 and g.summary["sm_mhz"]["median"] == 1980.0
+    assert g.summary["reasons"] == ["0x0000000000000000"] and "loadavg_1m" in g.summary
+    # no nvidia-smi at all: nothing sampled, said so, the pass still runs
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    monkeypatch.setattr(C.GpuSampler, "_reason", False)
+    with C.GpuSampler() as g:
+        pass
+    assert g.summary["n"] == 0 and C.GpuSampler._reason is None

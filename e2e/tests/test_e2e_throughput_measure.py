@@ -415,6 +415,9 @@ def test_fake_mtp_engine_reports_the_draft_backend(tmp_path):
     # which code the numbers are for
     assert set(res["tree_sha256"]) == {"overlay", "kernels"} and "commit" in res
     assert res["records"][0]["commit"] == res["commit"]
+    # each timed pass carries its GPU telemetry (n = 0 here: no nvidia-smi) and the host's load
+    r0 = res["records"][0]
+    assert len(r0["samples"]["gpu"]) == r0["repeats"] and all("loadavg_1m" in g for g in r0["samples"]["gpu"])
 
 
 def test_merge_joins_calls_flags_duplicates_and_writes_tables(tmp_path, monkeypatch):
