@@ -294,6 +294,38 @@ def n_sets_for(H: int, T: int, fmt: str, l2_bytes: int) -> int:
     return max(2, min(64, math.ceil(3 * l2_bytes / bytes_moved(H, T, fmt))))
 
 
+def v2_fn(q, cache, idx, fmt, out, lse):
+    """The Gluon v2 kernel (H <= 16, fp8_ds_mla; not dispatched by TRITON_MLA_SPARSE yet), its
+    own split policy, no fallback to v1 (an unsupported call raises)."""
+    from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
+
+    def f():
+        return sparse_mla_decode_v2(q, cache, idx, SOFTMAX_SCALE, fmt, out=out, lse=lse, fallback=False)
+    return f
+
+
+def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> None:
+    """v2 beside v1 and FlashMLA at the same point (``v2_us``, ``v2_rel_err``; ``v2_skipped``: why
+    not), so one run gives the numbers a v2 dispatch rule needs."""
+    import torch
+    from kernels.triton_sparse_mla_v2 import v2_unsupported_reason
+
+    why = v2_unsupported_reason(qs[0], fmt)
+    if why is not None:
+        rec["v2_skipped"] = why
+        return
+    try:
+        fns = [v2_fn(qs[i], cache, idx_sets[i], fmt, outs[i], lses[i]) for i in range(len(qs))]
+        outs[0].fill_(float("nan"))
+        lses[0].fill_(float("nan"))
+        fns[0]()
+        rec["v2_rel_err"] = rel_err(outs[0], ro)
+        rec["v2_nan"] = bool(torch.isnan(outs[0]).any() or torch.isnan(lses[0]).any())
+        rec["v2_us"] = common.time_graph(fns, rep)
+    except Exception as e:  # noqa: BLE001  (recorded, the v1 numbers of the point still count)
+        rec["v2_error"] = repr(e)[:500]
+
+
 def derive(rec: dict, copy_bw: float) -> dict:
     """The ratios and rates of a decode record from its measured times (fills keys in place)."""
     H, T, fmt = rec["heads"], rec["tokens"], rec["kv_format"]
@@ -309,6 +341,9 @@ def derive(rec: dict, copy_bw: float) -> dict:
         rec["gather_pct_copy_bw"] = 100.0 * gather_bytes(T, fmt, rec.get("topk", TOPK)) / copy_bw * 1e6 / rec["gather_us"]
     rec["ratio_vs_flashmla"] = common.ratio(us, rec.get("flashmla_us"))
     rec["ratio_vs_flashmla_kernel"] = common.ratio(us, rec.get("flashmla_kernel_us"))
+    if rec.get("v2_us"):
+        rec["v2_over_v1"] = common.ratio(rec["v2_us"], us)
+        rec["v2_ratio_vs_flashmla"] = common.ratio(rec["v2_us"], rec.get("flashmla_us"))
     return rec
 
 
@@ -369,6 +404,7 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
             rec["us_" + m] = common.time_graph(fns, args.rep)
         rec["rel_err_" + plan.merge] = rec["rel_err"]
         rec["merge_bytes"] = merge_bytes(H, T, plan.tail[-2], plan.meta["BLOCK_H"])
+    v2_arm(rec, qs, cache, idx_sets, fmt, outs, lses, ro, args.rep)
     # host cost per eager call as the backend makes it (outputs allocated by the call)
     rec["host_us"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
                                             num_splits=num_splits), calls=args.host_calls)
@@ -838,7 +874,9 @@ def main(argv=None) -> int:
                   f"kernel {r.get('flashmla_kernel_us') or float('nan'):7.1f} (x{r.get('ratio_vs_flashmla_kernel') or float('nan'):.2f}) | "
                   f"host {r['host_us']:5.1f} us | {r['pct_copy_bw']:3.0f}% copy BW | err {r['rel_err']:.1e}"
                   + (f" | splits {r['num_splits']} merge {r['merge']}: fused {r['us_fused']:.1f} / separate "
-                     f"{r['us_separate']:.1f} us" if r.get("merge") else f" | splits {r['num_splits']}"), flush=True)
+                     f"{r['us_separate']:.1f} us" if r.get("merge") else f" | splits {r['num_splits']}")
+                  + (f" | v2 {r['v2_us']:.1f} us (x{r.get('v2_ratio_vs_flashmla') or float('nan'):.2f} FlashMLA, "
+                     f"err {r['v2_rel_err']:.1e})" if r.get("v2_us") else ""), flush=True)
         last_cost = time.monotonic() - t0
         r["command"] = cmd
         r["sm120_proxy"] = args.sm120_proxy

@@ -90,6 +90,22 @@ def test_derive_ratios_fixed():
     r2 = B.derive({"heads": 8, "tokens": 1, "kv_format": "fp8", "us": 10.0}, 4.0e12)
     assert r2["kernel_over_gather"] is None and r2["ratio_vs_flashmla"] is None
     assert common.ratio(1.0, 0.0) is None and common.ratio(None, 2.0) is None
+    assert "v2_over_v1" not in r2
+    r3 = B.derive({"heads": 8, "tokens": 32, "kv_format": "fp8_ds_mla", "us": 60.0, "flashmla_us": 50.0,
+                   "v2_us": 40.0}, 4.0e12)
+    assert r3["v2_over_v1"] == pytest.approx(40 / 60) and r3["v2_ratio_vs_flashmla"] == pytest.approx(0.8)
+
+
+def test_v2_arm_says_why_it_did_not_run():
+    """The v2 arm records why a point has no v2 time (here: no CUDA, or a format v2 lacks) instead
+    of failing the point."""
+    q = torch.zeros(2, 8, 576, dtype=torch.float16)
+    rec: dict = {}
+    B.v2_arm(rec, [q], None, [None], "fp8_ds_mla", [None], [None], None, rep=1)
+    assert "v2_us" not in rec and rec["v2_skipped"]
+    rec = {}
+    B.v2_arm(rec, [q], None, [None], "fp8", [None], [None], None, rep=1)
+    assert "fp8_ds_mla only" in rec["v2_skipped"] or "Gluon" in rec["v2_skipped"]
 
 
 def test_merge_bytes_fixed():
