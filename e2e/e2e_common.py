@@ -67,6 +67,32 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def staged_site() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("E2E_SITE", "/tmp/site"))
+
+
+def sync_overlay(site: pathlib.Path) -> dict[str, Any]:
+    """Copy this checkout's overlay/vllm/** and kernels/*.py over the staged vLLM tree (where
+    tools/apply.py places them), so a run measures the checkout's code, not what was packed."""
+    import shutil
+
+    dest = pathlib.Path(site) / "vllm"
+    if not dest.is_dir():
+        return {"error": f"{dest} does not exist (no staged vLLM)"}
+    copied = []
+    for src in sorted((REPO / "overlay" / "vllm").rglob("*.py")):
+        t = dest / src.relative_to(REPO / "overlay" / "vllm")
+        t.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, t)
+        copied.append(str(t.relative_to(site)))
+    for src in sorted((REPO / "kernels").glob("*.py")):
+        t = dest / "v1" / "attention" / "ops" / src.name
+        t.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, t)
+        copied.append(str(t.relative_to(site)))
+    return {"site": str(site), "files": len(copied)}
+
+
 def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
     path = pathlib.Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -1026,6 +1026,15 @@ def driver(a: argparse.Namespace, engines: list[dict[str, Any]], name: str, call
         "plan": plan_info, "engines": {}, "records": [],
     }
     run = C.Run(res_path, results, tag="e2e-tput")
+    # the checkout's overlay/ and kernels/ over the staged vLLM (the wheel may be older: a kernel
+    # change need not be re-packed), unless told not to or nothing is staged
+    site = C.staged_site()
+    if a.no_sync_overlay:
+        results["overlay_sync"] = {"skipped": "--no-sync-overlay"}
+    elif not (site / "vllm").is_dir():
+        results["overlay_sync"] = {"skipped": f"no staged vLLM at {site}"}
+    else:
+        results["overlay_sync"] = C.sync_overlay(site)
     env = C.engine_env({"VLLM_USE_DEEP_GEMM": os.environ.get("VLLM_USE_DEEP_GEMM", "0")})
     with run.phase("preflight", fatal=True):
         pf = C.preflight_imports(PREFLIGHT_MODULES, env)
@@ -1236,6 +1245,8 @@ def main(argv=None) -> int:
                    help="start the next engine's imports during a measurement (never for timed work)")
     g.add_argument("--deadline-s", type=float, default=560.0)
     g.add_argument("--commit", default=None, help="the commit, where the checkout has no .git (recorded)")
+    g.add_argument("--no-sync-overlay", action="store_true",
+                   help="keep the staged tree's overlay and kernels (default: copy this checkout's over it)")
     g.add_argument("--engine-timeout-s", type=float, default=540.0)
     g.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     g = ap.add_argument_group("merge")

@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from e2e_common import engine_env, preflight_imports  # noqa: E402
+from e2e_common import engine_env, preflight_imports, sync_overlay  # noqa: E402
 from gpu_tests import (COUNT_KEYS, _cut_off_in, _nodeid, _summary_line, environment, git_commit,  # noqa: E402
                        run_pytest, tree_digest)
 
@@ -175,24 +175,6 @@ def install_missing_wheels(env: dict, wheels: Path | None = None, site: Path | N
         if p.returncode != 0:
             res["error"] = (p.stderr or p.stdout)[-2000:]
     return res
-
-
-def sync_overlay(site: Path) -> dict:
-    """Copy overlay/vllm/** and kernels/*.py over the staged vLLM tree (what tools/apply.py places)."""
-    dest = site / "vllm"
-    if not dest.is_dir():
-        return {"error": f"{dest} does not exist (no staged vLLM)"}
-    copied = []
-    for src in sorted((REPO / "overlay" / "vllm").rglob("*.py")):
-        t = dest / src.relative_to(REPO / "overlay" / "vllm")
-        t.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, t)
-        copied.append(str(t.relative_to(site)))
-    for src in sorted((REPO / "kernels").glob("*.py")):
-        t = dest / "v1" / "attention" / "ops" / src.name
-        shutil.copyfile(src, t)
-        copied.append(str(t.relative_to(site)))
-    return {"site": str(site), "files": len(copied)}
 
 
 def hf_cache(env: dict) -> Path:

@@ -502,3 +502,16 @@ def test_gpu_sampler_samples_while_the_pass_runs(tmp_path, monkeypatch):
     with C.GpuSampler() as g:
         pass
     assert g.summary["n"] == 0 and C.GpuSampler._reason is None
+
+
+def test_sync_overlay_copies_the_checkouts_code_over_the_staged_tree(tmp_path):
+    assert "error" in C.sync_overlay(tmp_path / "nothing")
+    (tmp_path / "vllm" / "v1" / "attention" / "ops").mkdir(parents=True)
+    stale = tmp_path / "vllm" / "v1" / "attention" / "ops" / "triton_dsa_indexer.py"
+    stale.write_text("# an older kernel file\n")
+    res = C.sync_overlay(tmp_path)
+    assert res["files"] >= 6 and "error" not in res
+    assert stale.read_text() == (C.REPO / "kernels" / "triton_dsa_indexer.py").read_text()
+    ov = tmp_path / "vllm" / "v1" / "attention" / "backends" / "mla" / "triton_mla_sparse.py"
+    assert ov.read_text() == (C.REPO / "overlay" / "vllm" / "v1" / "attention" / "backends" / "mla" /
+                              "triton_mla_sparse.py").read_text()

@@ -414,6 +414,7 @@ def test_fake_mtp_engine_reports_the_draft_backend(tmp_path):
     assert "MTP draft backend" in p.stdout
     # which code the numbers are for
     assert set(res["tree_sha256"]) == {"overlay", "kernels"} and "commit" in res
+    assert "skipped" in res["overlay_sync"]  # nothing staged here; on the host: the checkout's code synced
     assert res["records"][0]["commit"] == res["commit"]
     # each timed pass carries its GPU telemetry (n = 0 here: no nvidia-smi) and the host's load
     r0 = res["records"][0]
