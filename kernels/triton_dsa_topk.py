@@ -43,7 +43,10 @@ Algorithm for longer calls (two launches; the row's logits are read once from L2
    all 32 bits when ``SHORT_SELECT`` is off, as ``SHORT=False`` sets it); longer rows concatenate their segments (in
    position order), radix-select the k-th key ``tau`` among the window (only the bits that vary
    inside the window), then take the candidates ``> tau`` plus the first ``need`` ones ``== tau``
-   (lowest positions first).
+   (lowest positions first). With ``MERGE_REGS`` (off until timed on a GPU) the segments' windows
+   are instead loaded straight into registers (``SEGCAP`` lanes each, ``merge_segcap``) and
+   selected there with the short kernel's bisection (``_merge_regs``): no concatenation through
+   global memory; same output.
 3. *Fallback* (not instrumented; by the margin choice a row misses the window with probability
    ~1e-5 on unstructured logits; exact also for adversarial rows, e.g. huge blocks of identical logits): if the window missed the k-th value or holds more than ``CAP`` candidates, it
    is fixed from the exact counts and narrowed by 16-way multisection passes over the row until it
@@ -310,6 +313,55 @@ def _topk_segment_kernel(
 
 
 @triton.jit
+def _merge_regs(out, row, K: tl.constexpr, KFILL: tl.constexpr, CAP: tl.constexpr, SPLIT: tl.constexpr,
+                SPLIT_P: tl.constexpr, SEGCAP: tl.constexpr, sj, sm, gts, ws, n_gt, n_w, lo,
+                seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, BISECT_BITS: tl.constexpr):
+    """The merge of a long row (``MERGE_REGS``): the segments' lists of elements above the window go
+    to out[0..n_gt) at their exclusive offsets (position order), and the ``K - n_gt`` largest of the
+    segments' windows are selected in registers (all windows loaded at once as SPLIT x SEGCAP lanes,
+    keys relative to the window's low end, ``_bisect_store`` from their largest one's bit length) and
+    written after them in position order: the same output as the concatenation + radix resolve."""
+    if SPLIT > 1:
+        excl = tl.cumsum(gts, 0) - gts
+        fo = tl.arange(0, KFILL)
+        for sg in tl.static_range(SPLIT):
+            n_s = tl.sum(tl.where(sj == sg, gts, 0), 0)
+            e_s = tl.sum(tl.where(sj == sg, excl, 0), 0)
+            for f0 in range(0, n_s, KFILL):
+                i = f0 + fo
+                v = tl.load(seg_gt_ptr + (row * SPLIT + sg) * K + i, mask=i < n_s)
+                tl.store(out + e_s + i, v, mask=i < n_s)
+    lane = tl.arange(0, SPLIT_P * SEGCAP)
+    s_l = lane // SEGCAP
+    i_l = lane % SEGCAP
+    nw_l = tl.zeros([SPLIT_P * SEGCAP], dtype=tl.int32)
+    for sg in tl.static_range(SPLIT):
+        nw_l = tl.where(s_l == sg, tl.sum(tl.where(sj == sg, ws, 0), 0), nw_l)
+    m = (s_l < SPLIT) & (i_l < nw_l)
+    if SPLIT > 1:
+        off = (row * SPLIT + s_l) * CAP + i_l
+        kv = tl.load(seg_k_ptr + off, mask=m, other=0)
+        iv = tl.load(seg_i_ptr + off, mask=m, other=0)
+    else:
+        kv = tl.load(cat_k_ptr + row * CAP + i_l, mask=m, other=0)
+        iv = tl.load(cat_i_ptr + row * CAP + i_l, mask=m, other=0)
+    need = K - n_gt
+    if n_w == need:  # the whole window is taken, in position order
+        tl.store(out + n_gt + tl.cumsum(m.to(tl.int32), 0) - 1, iv, mask=m)
+    else:
+        # keys relative to the window's low end, + 1 so that no valid lane is 0 (masked lanes are;
+        # no overflow: a window holding the largest key down to the smallest is over CAP)
+        rel = tl.where(m, _to_u(kv) - _to_u(lo) + 1, 0)
+        # the search starts at the even bit length of the largest (shift clamped to 31: a shift
+        # by 32 is undefined even where the loop stops)
+        mx = tl.max(rel, 0)
+        top = tl.zeros([], dtype=tl.int32) + 2
+        while (top < 32) & ((mx >> tl.minimum(top, 31).to(tl.uint32)) != 0):
+            top += 2
+        _bisect_store(rel, iv, m, n_w, out + n_gt, need, BISECT_BITS, top)
+
+
+@triton.jit
 def _topk_merge_kernel(
     logits_ptr, stride_r, stride_c,
     a_ptr, b_ptr, next_n,
@@ -317,7 +369,8 @@ def _topk_merge_kernel(
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
-    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr, BISECT_BITS: tl.constexpr,
+    BITS: tl.constexpr, SHORT_SELECT: tl.constexpr, BISECT_BITS: tl.constexpr, MERGE_REGS: tl.constexpr,
+    SEGCAP: tl.constexpr,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -351,64 +404,74 @@ def _topk_merge_kernel(
         lo = tl.load(win_ptr + row * 2)
         hi = tl.load(win_ptr + row * 2 + 1)
         ok = ((n_gt < K) & (n_gt + n_w >= K) & (n_w <= CAP)).to(tl.int32)
-        tie = tl.zeros([], dtype=tl.int32)
-        if ok != 0:
-            if SPLIT > 1:
-                # concatenate the segments: gt lists -> out, windows -> row scratch, position order.
-                # exclusive offsets go through the (per-row) count buffer, then each output slot
-                # finds its segment with SPLIT - 1 scalar compares.
-                tl.store(cnt_ptr + (row * SPLIT + sj) * 2, tl.cumsum(gts, 0) - gts, mask=sm)
-                tl.store(cnt_ptr + (row * SPLIT + sj) * 2 + 1, tl.cumsum(ws, 0) - ws, mask=sm)
-                tl.debug_barrier()
-                go = tl.arange(0, GCHUNK)
-                for f0 in range(0, n_gt, GCHUNK):
-                    i = f0 + go
-                    sidx = tl.zeros([GCHUNK], dtype=tl.int32)
-                    for sg in tl.static_range(1, SPLIT):
-                        sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2)).to(tl.int32)
-                    loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2, mask=i < n_gt, other=0)
-                    v = tl.load(seg_gt_ptr + (row * SPLIT + sidx) * K + loc, mask=i < n_gt)
-                    tl.store(out + i, v, mask=i < n_gt)
-                for f0 in range(0, n_w, GCHUNK):
-                    i = f0 + go
-                    sidx = tl.zeros([GCHUNK], dtype=tl.int32)
-                    for sg in tl.static_range(1, SPLIT):
-                        sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2 + 1)).to(tl.int32)
-                    loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2 + 1, mask=i < n_w, other=0)
-                    kv = tl.load(seg_k_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
-                    iv = tl.load(seg_i_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
-                    tl.store(ck + i, kv, mask=i < n_w)
-                    tl.store(ci + i, iv, mask=i < n_w)
-        else:
-            # ---- fallback: exact counts fix the window, multisection narrows it ---------------
-            if n_gt >= K:  # k-th value above the window
-                lo = hi + 1
-                hi = tl.full([], 2147483647, tl.int32)
-                n_w = n_gt
-                n_gt = n_gt * 0
-            elif n_gt + n_w < K:  # k-th value below the window
-                n_gt = n_gt + n_w
-                n_w = L - n_gt
-                hi = lo - 1
-                lo = tl.full([], -2147483648, tl.int32)
-            while (n_w > CAP) & (lo < hi):
-                lo, hi, n_gt, n_w = _multisection(src, stride_c, L, lo, hi, n_gt, K, RCHUNK)
-            tie = (n_w > CAP).to(tl.int32)  # only when lo == hi: every window element ties
-            n_gt2, n_w2 = _emit_pass(src, stride_c, 0, L, lo, hi, out, ck, ci, out + n_gt, K - n_gt, tie,
-                                     K, CAP, CHUNK)
-        if tie == 0:
-            # ---- resolve the window in registers (scratch is in position order) --------------
-            tl.debug_barrier()  # scratch written by other threads of this program
-            cm = cj < n_w
-            lo_u = _to_u(lo)
-            rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
-            width = _to_u(hi) - lo_u
-            npass = tl.full([], 1, tl.int32)
-            # (shift clamped to 31: a shift by 32 is undefined in LLVM even where npass stops the loop)
-            while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
-                npass += 1
-            cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
-            _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
+        regs = 0
+        if MERGE_REGS:
+            # every segment's window fits its SEGCAP lanes: select in registers straight from the
+            # segments (no concatenation through global memory)
+            w_max = tl.max(tl.where(sm, ws, 0), 0)
+            regs = ((ok != 0) & (w_max <= SEGCAP)).to(tl.int32)
+            if regs != 0:
+                _merge_regs(out, row, K, KFILL, CAP, SPLIT, SPLIT_P, SEGCAP, sj, sm, gts, ws, n_gt, n_w, lo,
+                            seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, BISECT_BITS)
+        if regs == 0:
+            tie = tl.zeros([], dtype=tl.int32)
+            if ok != 0:
+                if SPLIT > 1:
+                    # concatenate the segments: gt lists -> out, windows -> row scratch, position order.
+                    # exclusive offsets go through the (per-row) count buffer, then each output slot
+                    # finds its segment with SPLIT - 1 scalar compares.
+                    tl.store(cnt_ptr + (row * SPLIT + sj) * 2, tl.cumsum(gts, 0) - gts, mask=sm)
+                    tl.store(cnt_ptr + (row * SPLIT + sj) * 2 + 1, tl.cumsum(ws, 0) - ws, mask=sm)
+                    tl.debug_barrier()
+                    go = tl.arange(0, GCHUNK)
+                    for f0 in range(0, n_gt, GCHUNK):
+                        i = f0 + go
+                        sidx = tl.zeros([GCHUNK], dtype=tl.int32)
+                        for sg in tl.static_range(1, SPLIT):
+                            sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2)).to(tl.int32)
+                        loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2, mask=i < n_gt, other=0)
+                        v = tl.load(seg_gt_ptr + (row * SPLIT + sidx) * K + loc, mask=i < n_gt)
+                        tl.store(out + i, v, mask=i < n_gt)
+                    for f0 in range(0, n_w, GCHUNK):
+                        i = f0 + go
+                        sidx = tl.zeros([GCHUNK], dtype=tl.int32)
+                        for sg in tl.static_range(1, SPLIT):
+                            sidx += (i >= tl.load(cnt_ptr + (row * SPLIT + sg) * 2 + 1)).to(tl.int32)
+                        loc = i - tl.load(cnt_ptr + (row * SPLIT + sidx) * 2 + 1, mask=i < n_w, other=0)
+                        kv = tl.load(seg_k_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
+                        iv = tl.load(seg_i_ptr + (row * SPLIT + sidx) * CAP + loc, mask=i < n_w)
+                        tl.store(ck + i, kv, mask=i < n_w)
+                        tl.store(ci + i, iv, mask=i < n_w)
+            else:
+                # ---- fallback: exact counts fix the window, multisection narrows it ---------------
+                if n_gt >= K:  # k-th value above the window
+                    lo = hi + 1
+                    hi = tl.full([], 2147483647, tl.int32)
+                    n_w = n_gt
+                    n_gt = n_gt * 0
+                elif n_gt + n_w < K:  # k-th value below the window
+                    n_gt = n_gt + n_w
+                    n_w = L - n_gt
+                    hi = lo - 1
+                    lo = tl.full([], -2147483648, tl.int32)
+                while (n_w > CAP) & (lo < hi):
+                    lo, hi, n_gt, n_w = _multisection(src, stride_c, L, lo, hi, n_gt, K, RCHUNK)
+                tie = (n_w > CAP).to(tl.int32)  # only when lo == hi: every window element ties
+                n_gt2, n_w2 = _emit_pass(src, stride_c, 0, L, lo, hi, out, ck, ci, out + n_gt, K - n_gt, tie,
+                                         K, CAP, CHUNK)
+            if tie == 0:
+                # ---- resolve the window in registers (scratch is in position order) --------------
+                tl.debug_barrier()  # scratch written by other threads of this program
+                cm = cj < n_w
+                lo_u = _to_u(lo)
+                rel = _to_u(tl.load(ck + cj, mask=cm, other=0, cache_modifier=".cg")) - lo_u
+                width = _to_u(hi) - lo_u
+                npass = tl.full([], 1, tl.int32)
+                # (shift clamped to 31: a shift by 32 is undefined in LLVM even where npass stops the loop)
+                while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
+                    npass += 1
+                cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
+                _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
 
 
 @triton.jit
@@ -417,10 +480,11 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _bisect_store(u, j, m, L, out, K: tl.constexpr, STEP_BITS: tl.constexpr = 2):
+def _bisect_store(u, j, m, L, out, K, STEP_BITS: tl.constexpr = 2, TOP_BITS=32):
     """Write the K largest of the uint32 keys ``u`` (lanes ``m``, L of them, > K; other lanes 0) as
     their positions ``j`` to out[0..K), in ascending position order, ties at the k-th value to the
-    lowest positions. Multisection on the key bits, ``STEP_BITS`` per step: 2 (16 steps at most):
+    lowest positions. ``TOP_BITS`` (even, <= 32): every key is below 2**TOP_BITS (the search
+    starts there; 32 for any key). ``K`` may be a run-time value. Multisection on the key bits, ``STEP_BITS`` per step: 2 (16 steps at most):
     the counts of three thresholds in 21-bit fields of one int64 block sum (lanes < 2**21); 4 (8
     steps at most): a 16-bin histogram of the next digit in 16-bit fields of four int64 sums, one
     block reduction (lanes < 2**16), the 15 threshold counts its suffix sums. Ends at the k-th key
@@ -428,7 +492,7 @@ def _bisect_store(u, j, m, L, out, K: tl.constexpr, STEP_BITS: tl.constexpr = 2)
     # invariant: the k-th largest key is in [p, p + 2**s - 1];
     # c_ge = #(u >= p) >= K > c_gt = #(u >= p + 2**s)
     p = tl.zeros([], dtype=tl.uint32)
-    s = tl.full([], 32, tl.int32)
+    s = tl.zeros([], dtype=tl.int32) + TOP_BITS
     c_ge = L
     c_gt = tl.zeros([], dtype=tl.int32)
     while (s > 0) & (c_ge != K):
@@ -561,6 +625,11 @@ SHORT_MAX = 8192
 # kernel's rows <= CAP) settles per step: 2 (three threshold counts per block sum, up to 16
 # steps) or 4 (a 16-bin histogram per block reduction, up to 8 steps).
 BISECT_BITS = 2
+# Long rows (> CAP): the merge kernel selects from the segments' windows in registers
+# (``_merge_regs``) instead of concatenating them through global memory and radix-resolving the
+# concatenation. Same output (tested); written without GPU time left to measure it (2026-12-03):
+# off until bench/dsa_indexer.py --sweep '[{"topk": {"MERGE_REGS": true}}]' has timed it.
+MERGE_REGS = False
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -609,7 +678,16 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
                 SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
+                MERGE_REGS=MERGE_REGS,
                 short_warps=min(16, max(4, short_block // 256)))
+
+
+def merge_segcap(cap: int, split: int) -> int:
+    """Lanes per segment of the register merge (``MERGE_REGS``): at most 8192 lanes in all (the
+    short kernel's register budget); a segment whose window is larger takes the concatenating
+    path. The expected window of a whole row is ~2 x ZSIGMA x sqrt(k L / S) (~1.6k at 32k), so a
+    segment's share is far below its lanes."""
+    return min(cap, 8192 // triton.next_power_of_2(max(split, 1)))
 
 
 def _scratch_layout(rows: int, k: int, cap: int, split: int) -> dict:
@@ -725,7 +803,8 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
                                           GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),
                                           SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True))),
-                                          BISECT_BITS=cfg["BISECT_BITS"]), merge_warps))
+                                          BISECT_BITS=cfg["BISECT_BITS"], MERGE_REGS=int(bool(cfg.get("MERGE_REGS"))),
+                                          SEGCAP=cfg.get("SEGCAP") or merge_segcap(cap, split)), merge_warps))
     return plan
 
 

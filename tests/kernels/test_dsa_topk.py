@@ -6,6 +6,8 @@ contexts up to 300k."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -193,6 +195,16 @@ def test_gpu_persistent_topk_k2048(kind, width):
             if L > 2048:
                 tt = torch.sort(torch.topk(lg[r, :L], 2048).indices).values.int().cpu()
                 assert torch.equal(got[r], tt)
+    # the register merge of long rows (MERGE_REGS, off by default until timed) writes the same
+    # output in the same order, with the split the dispatch picks for 6 rows and with one program
+    for over in ({"MERGE_REGS": True}, {"MERGE_REGS": True, "SPLIT": 1}):
+        other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+        T.persistent_topk(lg, lens, other, None, 2048, width, **over)
+        base = out
+        if "SPLIT" in over:
+            base = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+            T.persistent_topk(lg, lens, base, None, 2048, width, SPLIT=1)
+        assert torch.equal(other, base), over
 
 
 @gpu
@@ -253,6 +265,72 @@ def test_split_rows_match_single_program(kind):
     z = torch.full((4, K_SMALL), -7, dtype=torch.int32, device=DEVICE)  # forced fallback with split
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), z, None, K_SMALL, 600, **dict(SMALL, SPLIT=3, ZSIGMA=-30.0))
     _check(z, T.persistent_topk_reference(lg, lens, K_SMALL))
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "spikes", "negative", "dups", "increasing"])
+@pytest.mark.parametrize("split", [1, 2, 3, 4])
+def test_register_merge_writes_the_concatenating_merges_output(kind, split):
+    """MERGE_REGS (the long rows' windows selected in registers straight from the segments) writes
+    the same output, in the same order, as the concatenating merge, with its SEGCAP lanes per
+    segment wide enough, with a SEGCAP so small that segments overflow it (those rows take the
+    concatenating path), and when the window misses (the exact fallback)."""
+    g = torch.Generator().manual_seed(23 + split)
+    lg = _rows(kind, 5, 600, g)
+    lens = torch.tensor([10, 300, 599, 600, 129], dtype=torch.int32)
+    ref = T.persistent_topk_reference(lg, lens, K_SMALL)
+    for extra in ({}, {"ZSIGMA": -30.0}):
+        cfg = dict(SMALL, SPLIT=split, **extra)
+        base = torch.full((5, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), base, None, K_SMALL, 600, **cfg)
+        _check(base, ref)
+        for segcap in (None, 4):
+            over = dict(cfg, MERGE_REGS=True, **({"SEGCAP": segcap} if segcap else {}))
+            out = torch.full((5, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 600, **over)
+            assert torch.equal(out.cpu(), base.cpu()), (kind, split, extra, segcap)
+    plan = T._launch_plan(T.topk_config(2048, 32768, 16, 132), 2048, 2, 32768, 8, 16)
+    assert plan[-1][1]["MERGE_REGS"] == int(T.MERGE_REGS) and plan[-1][1]["SEGCAP"] == T.merge_segcap(4096, 4)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_register_merge_when_the_window_is_exactly_the_rest(split):
+    """A row built so that the pivot window's low end is the k-th largest value: the window holds
+    exactly the K - n_gt elements still needed and is taken whole (no selection step)."""
+    L, S, k = 600, SMALL["S"], K_SMALL
+    e = S * k / L
+    r_lo = math.ceil(e + SMALL["ZSIGMA"] * math.sqrt(e * (1 - k / L)) + 2.0)  # the kernel's low rank
+    samples = [(j * L) // S for j in range(S)]
+    row = -torch.rand(L, generator=torch.Generator().manual_seed(5))  # everything else in (-1, 0]
+    top = [p for p in range(L) if p not in samples][: k - (r_lo + 1)] + samples[: r_lo + 1]
+    for rank, p in enumerate(top):  # distinct in their leading 20 bits
+        row[p] = 1000.0 - 4 * rank
+    lg = row[None, :].repeat(2, 1)
+    lens = torch.tensor([L, L], dtype=torch.int32)
+    cfg = dict(SMALL, SPLIT=split)
+    base = torch.full((2, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), base, None, k, L, **cfg)
+    _check(base, T.persistent_topk_reference(lg, lens, k))
+    out = torch.full((2, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, L, **dict(cfg, MERGE_REGS=True))
+    assert torch.equal(out.cpu(), base.cpu())
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_register_merge_with_elements_above_the_window(split):
+    """k = 64 with a narrow margin: the pivot window has a finite upper end, so the segments hold
+    elements above it (their lists go to the front at each segment's offset) and some rows miss the
+    window (fallback): the register merge writes what the concatenating merge writes."""
+    g = torch.Generator().manual_seed(31 + split)
+    k = 64
+    lg = _rows("randn", 6, 600, g)
+    lens = torch.tensor([300, 599, 600, 450, 129, 64], dtype=torch.int32)
+    cfg = dict(SMALL, SPLIT=split, ZSIGMA=1.0, KFILL=64)
+    base = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), base, None, k, 600, **cfg)
+    _check(base, T.persistent_topk_reference(lg, lens, k))
+    out = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, 600, **dict(cfg, MERGE_REGS=True))
+    assert torch.equal(out.cpu(), base.cpu())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
