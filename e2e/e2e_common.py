@@ -57,7 +57,7 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for k, v in STAGED_ENV.items():
         env.setdefault(k, v)
-    site = env.get("E2E_SITE", "/tmp/site")
+    site = str(staged_site())
     pp = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if pathlib.Path(site, "vllm").is_dir() and site not in pp:
         pp.insert(0, site)
@@ -68,6 +68,7 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def staged_site() -> pathlib.Path:
+    """Where the staged vLLM lives on the GPU host (E2E_SITE, default /tmp/site)."""
     return pathlib.Path(os.environ.get("E2E_SITE", "/tmp/site"))
 
 

@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from e2e_common import engine_env, preflight_imports, sync_overlay  # noqa: E402
+from e2e_common import engine_env, preflight_imports, staged_site, sync_overlay  # noqa: E402
 from gpu_tests import (COUNT_KEYS, _cut_off_in, _nodeid, _summary_line, environment, git_commit,  # noqa: E402
                        run_pytest, tree_digest)
 
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bundle", default=str(BUNDLE), help="the test bundle (default .upstream-tests/bundle)")
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help=f"the test's backend ids to run (default all: {','.join(BACKENDS)})")
-    ap.add_argument("--site", default=os.environ.get("E2E_SITE", "/tmp/site"), help="the staged vLLM (default /tmp/site)")
+    ap.add_argument("--site", default=str(staged_site()), help="the staged vLLM (default $E2E_SITE, else /tmp/site)")
     ap.add_argument("--no-sync-overlay", action="store_true",
                     help="do not copy this checkout's overlay/vllm and kernels/ over the staged tree")
     ap.add_argument("--jobs", type=int, default=None, help="pytest processes side by side (default: 1 per 4 CPU cores, at most 4)")

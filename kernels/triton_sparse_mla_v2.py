@@ -377,16 +377,15 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     until there are WAVES x SM-count programs) and MIN_TILES (never fewer tiles per split: the
     prologue -- q staging, the first tile's copies -- is paid per program). BLOCK_N 32 with 4 warps
     takes 95,232 B of shared memory (``shared_bytes_v2`` + the 2 KB S tile), within SM120's
-    101,376 B (one CTA per SM there, WAVES 1) and two CTAs per SM on SM90's 228 KB (WAVES 2).
+    101,376 B (one CTA per SM there, WAVES 1) and two CTAs per SM on SM90's 228 KB.
     Split policy on SM90 from the H200 sweep (``bench/results/sparse_mla_v2_h200.json``,
     ``v2_sweep_us``, 32k context, H 8 and 16): WAVES 4 / MIN_TILES 1 (about two programs per CTA
     slot, small programs that balance) was within 4% of the best policy at T = 1, 4 and 32, the
     best at T = 64 (75.8 us against 101.4 with WAVES 2) and 8% behind the best at T = 128 (156.7
     against 143.0 with one wave of two splits). SM120 keeps WAVES 1 (one CTA per SM; not measured)."""
     del num_heads, num_tokens
-    if cc_major == 9:
-        return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": 4, "MIN_TILES": 1}
-    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": 1, "MIN_TILES": 2}
+    waves, min_tiles = (4, 1) if cc_major == 9 else (1, 2)
+    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": waves, "MIN_TILES": min_tiles}
 
 
 # Tile configurations the benchmark and the GPU tests also run (config= overrides). All compile

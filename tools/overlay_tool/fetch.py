@@ -44,10 +44,6 @@ def verify_sha256(path: Path, expected: str) -> None:
         )
 
 
-def verify_wheel(pin: Pin, path: Path) -> None:
-    verify_sha256(path, pin.sha256)
-
-
 def fetch_verified(path: Path, expected: str, download: Callable[[Path], Path], *, what: str, plan: str,
                    dry_run: bool = False, log=print) -> Path:
     """A pinned file: ``path`` in the cache (sha256 checked on every use), or first downloaded by
