@@ -255,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,4,32,64,128")
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--sweep-all-t", action="store_true",
+                    help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
     args = ap.parse_args(argv)
     t_start = time.time()
     dev = "cuda"
@@ -306,7 +308,8 @@ def main(argv=None) -> int:
         for c in v2.TUNING_CONFIGS:
             if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
                 continue
-            for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}):
+            for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 4},
+                          {"QK_ACCS": 1}):
                 cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
                 for H, T in ((8, 1), (16, 4), (3, 37)):
                     q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
@@ -359,18 +362,23 @@ def main(argv=None) -> int:
                         c1 = v1cfg(H, T)
                         rec["v1_us"] = time_graph([(lambda s=s: v1.sparse_mla_decode(
                             s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c1)) for s in sets])
-                        if reason is None and ctx == max(ctxs) and T in (1, 32, 128):
+                        if reason is None and ctx == max(ctxs) and (args.sweep_all_t or T in (1, 32, 128)):
                             # tuning data: forced tile configs and split policies next to the dispatch
                             optin = getattr(props, "shared_memory_per_block_optin", 101376)
                             sweep = {}
                             base = dict(v2.pick_config_v2(H, cc, T))
                             variants = [dict(base, **c) for c in v2.TUNING_CONFIGS[1:]]
                             variants += [dict(base, WAVES=w, MIN_TILES=mt) for w, mt in ((1, 1), (2, 4), (4, 1), (4, 2))]
+                            # S accumulated in one chain or one accumulator per 128-group
+                            qa = 5 - base.get("QK_ACCS", 1)  # the other of 1 / 4
+                            variants += [dict(base, QK_ACCS=qa, WAVES=w, MIN_TILES=mt)
+                                         for w, mt in ((base["WAVES"], base["MIN_TILES"]), (1, 1), (2, 1), (4, 1))]
                             for c2 in variants:
                                 if v2.shared_bytes_v2(c2["BLOCK_N"]) > optin or (args.sm120_proxy and
                                                                                 v2.shared_bytes_v2(c2["BLOCK_N"]) > v2.SM120_SHARED_LIMIT):
                                     continue
-                                key = f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_W{c2['WAVES']}_MT{c2['MIN_TILES']}"
+                                key = (f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_W{c2['WAVES']}_MT{c2['MIN_TILES']}"
+                                       f"_QA{c2.get('QK_ACCS', 1)}")
                                 sweep[key] = time_graph([(lambda s=s, c2=c2: v2.sparse_mla_decode_v2(
                                     s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2,
                                     fallback=False)) for s in sets])

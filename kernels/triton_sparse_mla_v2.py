@@ -133,7 +133,8 @@ if HAS_GLUON:
               qk_scale_log2, has_next,
               lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
               nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr):
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
+              QK_ACCS: gl.constexpr):
         """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
         the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
         O += P V. Returns the loop state."""
@@ -178,21 +179,42 @@ if HAS_GLUON:
         k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
         _cta_barrier()
 
-        # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64)
-        s = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+        # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64). QK_ACCS = 4: one
+        # accumulator per 128-group (the rope into the last), summed at the end: four dependent
+        # chains of 2-3 mma.sync instead of one of 9 chunks (36 instructions per warp), whose
+        # latency the 2 warps per scheduler cannot hide. QK_ACCS = 1: the single chain.
+        s0 = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+        if QK_ACCS == 4:
+            s1 = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+            s2 = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+            s3 = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA)
+        else:
+            s1 = s0
+            s2 = s0
+            s3 = s0
         for c in gl.static_range(2):
-            s = mma_v2(q_smem.slice(0 * GROUP + c * QC, QC, dim=1).load(OP_A),
-                       k0.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+            s0 = mma_v2(q_smem.slice(0 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                        k0.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s0)
+        if QK_ACCS == 1:
+            s1 = s0
         for c in gl.static_range(2):
-            s = mma_v2(q_smem.slice(1 * GROUP + c * QC, QC, dim=1).load(OP_A),
-                       k1.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+            s1 = mma_v2(q_smem.slice(1 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                        k1.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s1)
+        if QK_ACCS == 1:
+            s2 = s1
         for c in gl.static_range(2):
-            s = mma_v2(q_smem.slice(2 * GROUP + c * QC, QC, dim=1).load(OP_A),
-                       k2.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
+            s2 = mma_v2(q_smem.slice(2 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                        k2.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s2)
+        if QK_ACCS == 1:
+            s3 = s2
         for c in gl.static_range(2):
-            s = mma_v2(q_smem.slice(3 * GROUP + c * QC, QC, dim=1).load(OP_A),
-                       k3.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s)
-        s = mma_v2(qr_smem.load(OP_A), rp_c.permute((1, 0)).load(OP_B), s)
+            s3 = mma_v2(q_smem.slice(3 * GROUP + c * QC, QC, dim=1).load(OP_A),
+                        k3.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s3)
+        s3 = mma_v2(qr_smem.load(OP_A), rp_c.permute((1, 0)).load(OP_B), s3)
+        if QK_ACCS == 4:
+            s = (s0 + s1) + (s2 + s3)
+        else:
+            s = s3
 
         # softmax: S goes through shared memory once and comes back in the A-operand layout of
         # the PV MMA (every warp holds whole rows, split over the 4 lanes of a quad), so the row
@@ -229,6 +251,7 @@ if HAS_GLUON:
         BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        QK_ACCS: gl.constexpr = 1,
     ):
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
@@ -319,14 +342,14 @@ if HAS_GLUON:
                 qk_scale_log2, i + 1 < n_t,
                 lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS)
             if i + 1 < n_t:
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
                     kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 2 < n_t,
                     lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS)
         cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
 
         # ---- epilogue -------------------------------------------------------------------------
@@ -533,7 +556,7 @@ def sparse_mla_decode_v2(
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         num_splits, tiles_per_split,
-        SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw,
+        SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
         num_warps=nw, maxnreg=MAXNREG,
     )
     if split:
@@ -562,12 +585,12 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
         for h in range(1, 17):
             for t in (1, 4096):
                 c = pick_config_v2(h, cc_major, t)
-                seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"])] = c
+                seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
         for c in configs:
-            bh, bn, nw = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"]
+            bh, bn, nw, qa = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1)
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -581,14 +604,15 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "stride_lt": "i32", "stride_lh": "constexpr",
                         "num_splits": "i32", "tiles_per_split": "i32",
                         "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
-                        "NUM_WARPS": "constexpr",
+                        "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr",
                     }
                     specs.append({
-                        "name": f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},split={int(split)}]",
+                        "name": f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},split={int(split)}]",
                         "fn": _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
-                                       "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw},
+                                       "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
+                                       "QK_ACCS": qa},
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
                                             "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],

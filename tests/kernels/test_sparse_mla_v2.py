@@ -268,7 +268,7 @@ def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
     q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
     idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
     ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}):
+    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"QK_ACCS": 1}, {"QK_ACCS": 4}):
         out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
                                            config=dict(v2.TUNING_CONFIGS[cfg], **extra))
         rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
@@ -363,7 +363,8 @@ def test_gpu_v2_tuning_configs(cfg, seed):
     for H, T in ((8, 1), (16, 4), (3, 37)):
         q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
         idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
-        for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}):
+        for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 1},
+                      {"QK_ACCS": 4}):
             check(q, cache, idx, config=dict(c, **extra))
 
 
