@@ -295,7 +295,7 @@ def n_sets_for(H: int, T: int, fmt: str, l2_bytes: int) -> int:
 
 
 def v2_fn(q, cache, idx, fmt, out, lse):
-    """The Gluon v2 kernel (H <= 16, fp8_ds_mla; not dispatched by TRITON_MLA_SPARSE yet), its
+    """The Gluon v2 kernel (H <= 16, fp8_ds_mla; what TRITON_MLA_SPARSE dispatches there), its
     own split policy, no fallback to v1 (an unsupported call raises)."""
     from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
@@ -322,6 +322,12 @@ def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> Non
         rec["v2_rel_err"] = rel_err(outs[0], ro)
         rec["v2_nan"] = bool(torch.isnan(outs[0]).any() or torch.isnan(lses[0]).any())
         rec["v2_us"] = common.time_graph(fns, rep)
+        from kernels.triton_sparse_mla_v2 import _PLANS_V2, _v1
+
+        key = _v1._plan_key(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, None, outs[0], lses[0], None)
+        plan = _PLANS_V2.get(key)
+        rec["v2_num_splits"] = plan.num_splits if plan is not None else None
+        rec["v2_config"] = {k: v for k, v in plan.meta.items() if k != "maxnreg"} if plan is not None else None
     except Exception as e:  # noqa: BLE001  (recorded, the v1 numbers of the point still count)
         rec["v2_error"] = repr(e)[:500]
 
@@ -344,6 +350,14 @@ def derive(rec: dict, copy_bw: float) -> dict:
     if rec.get("v2_us"):
         rec["v2_over_v1"] = common.ratio(rec["v2_us"], us)
         rec["v2_ratio_vs_flashmla"] = common.ratio(rec["v2_us"], rec.get("flashmla_us"))
+    # what TRITON_MLA_SPARSE runs at this point (sparse_mla_decode_v2: v2 where it applies, else v1)
+    rec["path"] = "v2" if rec.get("v2_us") else "v1"
+    ours = rec["v2_us"] if rec["path"] == "v2" else us
+    rec["ours_us"] = ours
+    rec["ours_over_gather"] = common.ratio(ours, rec.get("gather_us"))
+    rec["ours_ratio_vs_flashmla"] = common.ratio(ours, rec.get("flashmla_us"))
+    rec["ours_ratio_vs_flashmla_kernel"] = common.ratio(ours, rec.get("flashmla_kernel_us"))
+    rec["ours_pct_copy_bw"] = 100.0 * rec["floor_us"] / ours
     return rec
 
 
@@ -406,8 +420,14 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
         rec["merge_bytes"] = merge_bytes(H, T, plan.tail[-2], plan.meta["BLOCK_H"])
     v2_arm(rec, qs, cache, idx_sets, fmt, outs, lses, ro, args.rep)
     # host cost per eager call as the backend makes it (outputs allocated by the call)
-    rec["host_us"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
-                                            num_splits=num_splits), calls=args.host_calls)
+    rec["host_us_v1"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
+                                               num_splits=num_splits), calls=args.host_calls)
+    rec["host_us"] = rec["host_us_v1"]
+    if rec.get("v2_us") and config is None and num_splits is None:
+        from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
+
+        rec["host_us"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt),
+                                        calls=args.host_calls)
     words = cache.view(torch.int32).reshape(-1, ROW_BYTES[fmt] // 4)  # contiguous pool: row = slot
     nsm = torch.cuda.get_device_properties(device).multi_processor_count
     best = None
@@ -627,8 +647,8 @@ def _f(x, fmt="{:.1f}"):
     return "-" if x is None else fmt.format(x)
 
 
-DECODE_COLUMNS = ("| format | H | T | ours us | gather us | ours/gather | FlashMLA us (as vLLM) | ours/FlashMLA | "
-                  "FlashMLA kernel us | ours/kernel | host us | % copy BW | rel err |")
+DECODE_COLUMNS = ("| format | H | T | path | ours us | v1 us | gather us | ours/gather | FlashMLA us (as vLLM) | "
+                  "ours/FlashMLA | FlashMLA kernel us | ours/kernel | host us | % copy BW | rel err |")
 
 
 def decode_table(records: list[dict], proxy: bool = False) -> list[str]:
@@ -636,11 +656,16 @@ def decode_table(records: list[dict], proxy: bool = False) -> list[str]:
     for r in records:
         if bool(r.get("sm120_proxy")) != proxy:
             continue
-        lines.append(f"| {r['kv_format']} | {r['heads']} | {r['tokens']} | {_f(r['us'])} | {_f(r.get('gather_us'))} | "
-                     f"{_f(r.get('kernel_over_gather'), '{:.2f}')} | {_f(r.get('flashmla_us'))} | "
-                     f"{_f(r.get('ratio_vs_flashmla'), '{:.2f}')} | {_f(r.get('flashmla_kernel_us'))} | "
-                     f"{_f(r.get('ratio_vs_flashmla_kernel'), '{:.2f}')} | {_f(r.get('host_us'))} | "
-                     f"{_f(r.get('pct_copy_bw'), '{:.0f}')} | {_f(r.get('rel_err'), '{:.1e}')} |")
+        # records from before the v2 dispatch have no ours_* keys: v1 ran there
+        v2 = r.get("path") == "v2"
+        lines.append(f"| {r['kv_format']} | {r['heads']} | {r['tokens']} | {r.get('path', 'v1')} | "
+                     f"{_f(r.get('ours_us', r['us']))} | {_f(r['us'])} | {_f(r.get('gather_us'))} | "
+                     f"{_f(r.get('ours_over_gather', r.get('kernel_over_gather')), '{:.2f}')} | {_f(r.get('flashmla_us'))} | "
+                     f"{_f(r.get('ours_ratio_vs_flashmla', r.get('ratio_vs_flashmla')), '{:.2f}')} | "
+                     f"{_f(r.get('flashmla_kernel_us'))} | "
+                     f"{_f(r.get('ours_ratio_vs_flashmla_kernel', r.get('ratio_vs_flashmla_kernel')), '{:.2f}')} | "
+                     f"{_f(r.get('host_us'))} | {_f(r.get('ours_pct_copy_bw', r.get('pct_copy_bw')), '{:.0f}')} | "
+                     f"{_f(r.get('v2_rel_err') if v2 else r.get('rel_err'), '{:.1e}')} |")
     return lines
 
 

@@ -309,7 +309,7 @@ def main(argv=None) -> int:
             if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
                 continue
             for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 4},
-                          {"QK_ACCS": 1}):
+                          {"QK_ACCS": 1}, {"CTAS_PER_SM": 1}):
                 cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
                 for H, T in ((8, 1), (16, 4), (3, 37)):
                     q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
@@ -367,21 +367,27 @@ def main(argv=None) -> int:
                             optin = getattr(props, "shared_memory_per_block_optin", 101376)
                             sweep = {}
                             base = dict(v2.pick_config_v2(H, cc, T))
-                            variants = [dict(base, **c) for c in v2.TUNING_CONFIGS[1:]]
-                            variants += [dict(base, WAVES=w, MIN_TILES=mt) for w, mt in ((1, 1), (2, 4), (4, 1), (4, 2))]
-                            # S accumulated in one chain or one accumulator per 128-group
-                            qa = 5 - base.get("QK_ACCS", 1)  # the other of 1 / 4
-                            variants += [dict(base, QK_ACCS=qa, WAVES=w, MIN_TILES=mt)
-                                         for w, mt in ((base["WAVES"], base["MIN_TILES"]), (1, 1), (2, 1), (4, 1))]
-                            for c2 in variants:
+                            # (config, forced split count or None); CTAS_PER_SM of the tile variants
+                            # from their shared memory and registers on SM90 (BN16 w4: 3, w8: 1)
+                            variants = [(dict(base, **c, CTAS_PER_SM=3 if c["BLOCK_N"] == 16 else 1), None)
+                                        for c in v2.TUNING_CONFIGS[1:]]
+                            # S in one mma.sync chain instead of one accumulator per 128-group
+                            variants.append((dict(base, QK_ACCS=5 - base["QK_ACCS"]), None))
+                            # the older policy (WAVES x SMs programs) and forced split counts
+                            variants += [(dict(base, WAVES=w, MIN_TILES=mt), None)
+                                         for w, mt in ((1, 1), (2, 1), (4, 1))]
+                            variants += [(dict(base), ns) for ns in (1, 2, 4, 8, 16, 32, 64)
+                                         if ns * T <= 8192]
+                            for c2, ns in variants:
                                 if v2.shared_bytes_v2(c2["BLOCK_N"]) > optin or (args.sm120_proxy and
                                                                                 v2.shared_bytes_v2(c2["BLOCK_N"]) > v2.SM120_SHARED_LIMIT):
                                     continue
-                                key = (f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_W{c2['WAVES']}_MT{c2['MIN_TILES']}"
-                                       f"_QA{c2.get('QK_ACCS', 1)}")
-                                sweep[key] = time_graph([(lambda s=s, c2=c2: v2.sparse_mla_decode_v2(
+                                policy = (f"_W{c2['WAVES']}_MT{c2['MIN_TILES']}" if "WAVES" in c2
+                                          else f"_S{ns}" if ns else f"_slots{c2['CTAS_PER_SM']}")
+                                key = f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}{policy}"
+                                sweep[key] = time_graph([(lambda s=s, c2=c2, ns=ns: v2.sparse_mla_decode_v2(
                                     s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2,
-                                    fallback=False)) for s in sets])
+                                    num_splits=ns, fallback=False)) for s in sets])
                             rec["v2_sweep_us"] = sweep
                             if sweep:
                                 k = min(sweep, key=sweep.get)

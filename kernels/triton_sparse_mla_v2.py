@@ -396,19 +396,22 @@ def _device_props(device: torch.device) -> tuple[int, int, int]:
 def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     """Tile configuration of the v2 kernel (shapes and device only: CUDA-graph safe).
 
-    BLOCK_H 16 (the mma.sync M), BLOCK_N KV rows per tile, NUM_WARPS, WAVES (split the top-k range
-    until there are WAVES x SM-count programs) and MIN_TILES (never fewer tiles per split: the
-    prologue -- q staging, the first tile's copies -- is paid per program). BLOCK_N 32 with 4 warps
-    takes 95,232 B of shared memory (``shared_bytes_v2`` + the 2 KB S tile), within SM120's
-    101,376 B (one CTA per SM there, WAVES 1) and two CTAs per SM on SM90's 228 KB.
-    Split policy on SM90 from the H200 sweep (``bench/results/sparse_mla_v2_h200.json``,
-    ``v2_sweep_us``, 32k context, H 8 and 16): WAVES 4 / MIN_TILES 1 (about two programs per CTA
-    slot, small programs that balance) was within 4% of the best policy at T = 1, 4 and 32, the
-    best at T = 64 (75.8 us against 101.4 with WAVES 2) and 8% behind the best at T = 128 (156.7
-    against 143.0 with one wave of two splits). SM120 keeps WAVES 1 (one CTA per SM; not measured)."""
+    BLOCK_H 16 (the mma.sync M), BLOCK_N KV rows per tile, NUM_WARPS, QK_ACCS (S in one mma.sync
+    chain or one accumulator per 128-group), and the split policy: CTAS_PER_SM (CTA slots of one
+    SM: BLOCK_N 32 with 4 warps takes 95,232 B of shared memory, so two on SM90's 228 KB, one on
+    SM120's ~100 KB) and SPLIT_OVERHEAD (what one program costs beyond its tiles, in tiles: q
+    staging, the first tile's exposed latency, the partial-result write). ``_pick_splits_slots``
+    then minimizes waves-of-slots x (tiles per program + overhead).
+
+    Measured (H100 and H200, ``bench/results/sparse_mla_v2_h200.json``, 32k context, H 8 / 16):
+    QK_ACCS 4 took 0-14% less time than 1 at every T (T = 128: 133.5 against 144.1 us on the H100);
+    the slot policy picks the best split count the sweep found at T = 1, 32 and 128 (64, 8, 2
+    splits: 9.4, 40.1, 133.5 us on the H100) where the fixed WAVES x SMs targets were each wrong
+    somewhere (WAVES 4: 153 us at T = 128; WAVES 1: 92 us at T = 64 against 74). A config with
+    ``WAVES`` (and ``MIN_TILES``) uses the older target policy instead (sweeps)."""
     del num_heads, num_tokens
-    waves, min_tiles = (4, 1) if cc_major == 9 else (1, 2)
-    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "WAVES": waves, "MIN_TILES": min_tiles}
+    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4,
+            "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
 # Tile configurations the benchmark and the GPU tests also run (config= overrides). All compile
@@ -449,6 +452,21 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
     return None
 
 
+def _pick_splits_slots(T: int, n_hb: int, n_tiles: int, slots: int, overhead: float) -> int:
+    """Split count minimizing ceil(programs / slots) x (tiles per program + overhead): whole waves of
+    CTA slots, each as short as the split makes it; ties go to fewer splits (less merging)."""
+    base = max(1, T * n_hb)
+    best_cost, best = None, 1
+    for s in range(1, min(n_tiles, MAX_SPLITS) + 1):
+        tps = triton.cdiv(n_tiles, s)
+        if triton.cdiv(n_tiles, tps) != s:  # the same split as a smaller s (no empty split)
+            continue
+        cost = triton.cdiv(base * s, slots) * (tps + overhead)
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, s
+    return best
+
+
 def _pick_splits(T: int, n_hb: int, n_tiles: int, num_sms: int, waves: float, min_tiles: int) -> int:
     base = max(1, T * n_hb)
     target = max(1, int(waves * num_sms))
@@ -456,6 +474,125 @@ def _pick_splits(T: int, n_hb: int, n_tiles: int, num_sms: int, waves: float, mi
         return 1
     splits = triton.cdiv(target, base)
     return max(1, min(splits, max(1, n_tiles // max(1, min_tiles)), MAX_SPLITS))
+
+
+def v2_num_splits(T: int, H: int, topk: int, cc_major: int, num_sms: int, config: dict | None = None,
+                  num_splits: int | None = None) -> int:
+    """The split count a v2 launch uses (after clamping; no empty split)."""
+    cfg = dict(pick_config_v2(H, cc_major, T))
+    if config:
+        cfg.update(config)
+    n_hb = triton.cdiv(H, cfg["BLOCK_H"])
+    n_tiles = max(1, triton.cdiv(topk, cfg["BLOCK_N"]))
+    if num_splits is None:
+        if "WAVES" in cfg:  # forced target policy (sweeps)
+            num_splits = _pick_splits(T, n_hb, n_tiles, num_sms, cfg["WAVES"], cfg.get("MIN_TILES", 1))
+        else:
+            num_splits = _pick_splits_slots(T, n_hb, n_tiles, num_sms * cfg["CTAS_PER_SM"], cfg["SPLIT_OVERHEAD"])
+    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
+    return triton.cdiv(n_tiles, triton.cdiv(n_tiles, num_splits))
+
+
+class _PlanV2:
+    """A validated, planned v2 call: what a later call with the same key launches directly."""
+
+    __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "merge_grid", "merge_meta",
+                 "empty")
+
+
+_PLANS_V2: dict = {}
+_MAX_PLANS = 4096  # distinct keys kept; past it the table is cleared (a plan is cheap to rebuild)
+
+
+def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) -> _PlanV2:
+    """Validate a supported call (``ValueError`` on bad arguments) and plan its launch."""
+    T, H, _ = q.shape
+    kv = kv_cache
+    if kv.dim() == 4:
+        if kv.shape[2] != 1:
+            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv.shape)}")
+        kv = kv.squeeze(2)
+    if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
+        raise ValueError(f"fp8_ds_mla kv_cache must be [num_blocks, block_size, {DS_ROW_BYTES}], got {tuple(kv.shape)}")
+    if kv.element_size() != 1 or kv.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"fp8_ds_mla needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv.dtype}")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    if kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
+        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
+    if indices.dim() != 2 or indices.shape[0] != T or indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32 [T={T}, topk], got {tuple(indices.shape)} {indices.dtype}")
+    for name, tns in (("kv_cache", kv), ("indices", indices)):
+        if tns.device != q.device:
+            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
+    topk = indices.shape[1]
+    num_blocks, block_size = kv.shape[0], kv.shape[1]
+    num_slots = num_blocks * block_size
+    if num_slots >= 2**31:
+        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
+    if out is not None and (out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32)
+                            or out.device != q.device):
+        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
+    if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device):
+        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
+
+    p = _PlanV2()
+    p.T, p.H, p.kv_squeeze = T, H, kv_cache.dim() == 4
+    p.empty = T == 0 or topk == 0
+    p.grid = None
+    if p.empty:
+        return p
+    major, _, num_sms = _device_props(q.device)
+    major = _v1._dispatch_major(major)  # GLM5_SPARSE_MLA_DISPATCH_CC: the SM120 proxy's configs
+    cfg = dict(pick_config_v2(H, major, T))
+    if config:
+        cfg.update(config)
+    bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
+    n_hb = triton.cdiv(H, bh)
+    n_tiles = max(1, triton.cdiv(topk, bn))
+    p.num_splits = v2_num_splits(T, H, topk, major, num_sms, config, num_splits)
+    tiles_per_split = triton.cdiv(n_tiles, p.num_splits)
+    split = p.num_splits > 1
+    ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
+    lst = lse.stride() if lse is not None else (H, 1)
+    p.grid = (T * n_hb * p.num_splits,)
+    p.tail = (float(softmax_scale) * _LOG2E, H, topk, num_slots, block_size,
+              q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+              indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
+              p.num_splits, tiles_per_split)
+    p.meta = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
+                  num_warps=nw, maxnreg=MAXNREG)
+    p.merge_grid = (T * H * (LATENT_DIM // 128),)
+    p.merge_meta = dict(BLOCK_S=16 if p.num_splits <= 16 else MAX_SPLITS, BLOCK_D=128, num_warps=4)
+    return p
+
+
+def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse):
+    T, H = p.T, p.H
+    if out is None:
+        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if p.empty:
+        if T:  # every row empty (no kernel: an empty indices tensor may have no storage)
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
+    kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
+    kv = kv.view(torch.uint8)
+    split = p.num_splits > 1
+    if split:
+        po = torch.empty((T, H, p.num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, H, p.num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po, plse = out, lse  # unused
+    _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *p.tail, **p.meta)
+    if split:
+        # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
+        t = p.tail
+        _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, H, p.num_splits,
+                                                   t[12], t[13], t[14], t[15], t[16], **p.merge_meta)
+    return out, lse
 
 
 def sparse_mla_decode_v2(
@@ -478,96 +615,32 @@ def sparse_mla_decode_v2(
     Arguments and results exactly as :func:`triton_sparse_mla.sparse_mla_decode`; ``config``
     overrides keys of :func:`pick_config_v2` on the v2 path (v1's keys on the fallback path).
     ``fallback=False`` raises ``NotImplementedError`` (with the reason) instead of calling v1.
+
+    Host cost: the support check, validation and launch plan are worked out once per key (v1's
+    ``_plan_key``: shapes, strides, dtypes, devices, scalars, 16-byte alignment); later calls with
+    the same key go straight to the launch. ``validate`` / ``config`` calls are planned every time.
     """
+    key = None
+    if not validate and config is None:
+        key = _v1._plan_key(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits)
+        if key is not None:
+            p = _PLANS_V2.get(key)
+            if p is not None:
+                return _launch_v2(p, q, kv_cache, indices, out, lse)
     reason = v2_unsupported_reason(q, kv_format)
     if reason is not None:
         if not fallback:
             raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")
         return _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
                                      num_splits, validate=validate, config=config)
-    del k_scale  # fp8_ds_mla: the scales are in the rows
-    T, H, _ = q.shape
-    kv = kv_cache
-    if kv.dim() == 4:
-        if kv.shape[2] != 1:
-            raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv.shape)}")
-        kv = kv.squeeze(2)
-    if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
-        raise ValueError(f"fp8_ds_mla kv_cache must be [num_blocks, block_size, {DS_ROW_BYTES}], got {tuple(kv.shape)}")
-    if kv.element_size() != 1 or kv.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-        raise ValueError(f"fp8_ds_mla needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv.dtype}")
-    if kv.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension")
-    kv = kv.view(torch.uint8)
-    if kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
-    if indices.dim() != 2 or indices.shape[0] != T or indices.dtype != torch.int32:
-        raise ValueError(f"indices must be int32 [T={T}, topk], got {tuple(indices.shape)} {indices.dtype}")
-    for name, tns in (("kv_cache", kv), ("indices", indices)):
-        if tns.device != q.device:
-            raise ValueError(f"{name} is on {tns.device}, q on {q.device}")
-    topk = indices.shape[1]
-    num_blocks, block_size = kv.shape[0], kv.shape[1]
-    num_slots = num_blocks * block_size
-    if num_slots >= 2**31:
-        raise ValueError("KV pool of >= 2**31 slots: int32 indices cannot address it")
-    if out is None:
-        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
-    elif out.shape != (T, H, LATENT_DIM) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device:
-        raise ValueError(f"out must be [T, H, {LATENT_DIM}] of {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    elif lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
-    if validate and T * topk > 0 and bool((indices >= num_slots).any().item()):
-        raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
-    if T == 0:
-        return out, lse
-    if topk == 0:  # every row empty (no kernel: an empty indices tensor may have no storage)
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-
-    major, _, num_sms = _device_props(q.device)
-    cfg = dict(pick_config_v2(H, major, T))
-    if config:
-        cfg.update(config)
-    bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
-    n_hb = triton.cdiv(H, bh)
-    n_tiles = max(1, triton.cdiv(topk, bn))
-    if num_splits is None:
-        num_splits = _pick_splits(T, n_hb, n_tiles, num_sms, cfg["WAVES"], cfg["MIN_TILES"])
-    num_splits = max(1, min(int(num_splits), n_tiles, MAX_SPLITS))
-    tiles_per_split = triton.cdiv(n_tiles, num_splits)
-    num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
-    split = num_splits > 1
-    if split:
-        po = torch.empty((T, H, num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po, plse = out, lse  # unused
-    _sparse_mla_v2_kernel[(T * n_hb * num_splits,)](
-        q, kv, indices, out, lse, po, plse,
-        float(softmax_scale) * _LOG2E,
-        H, topk, num_slots, block_size,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        num_splits, tiles_per_split,
-        SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
-        num_warps=nw, maxnreg=MAXNREG,
-    )
-    if split:
-        # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
-        _v1._sparse_mla_merge_kernel[(T * H * (LATENT_DIM // 128),)](
-            po, plse, out, lse, H, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            BLOCK_S=16 if num_splits <= 16 else MAX_SPLITS, BLOCK_D=128, num_warps=4,
-        )
-    return out, lse
+    p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config)
+    if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
+        raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")
+    if key is not None:
+        if len(_PLANS_V2) >= _MAX_PLANS:
+            _PLANS_V2.clear()
+        _PLANS_V2[key] = p
+    return _launch_v2(p, q, kv_cache, indices, out, lse)
 
 
 # --------------------------------------------------------------------------------------------

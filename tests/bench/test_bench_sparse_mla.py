@@ -248,8 +248,15 @@ def test_tables_and_readme_sections(tmp_path):
     res = dict(_result(recs, "python bench/sparse_mla_decode.py"), runs=[{"command": "python bench/sparse_mla_decode.py"}])
     lines = B.decode_table(recs)
     assert lines[0] == B.DECODE_COLUMNS and len(lines) == 4  # header, rule, two non-proxy rows
-    assert lines[2] == ("| fp8_ds_mla | 8 | 1 | 10.0 | 5.0 | 2.00 | 20.0 | 0.50 | 10.0 | 1.00 | 7.5 | "
+    # a point where v1 ran (no v2 time): "ours" is its time
+    assert lines[2] == ("| fp8_ds_mla | 8 | 1 | v1 | 10.0 | 10.0 | 5.0 | 2.00 | 20.0 | 0.50 | 10.0 | 1.00 | 7.5 | "
                         f"{recs[0]['pct_copy_bw']:.0f} | 4.4e-03 |")
+    # where v2 ran, "ours" is v2's time, its ratios and its error; v1's time stays beside it
+    v2rec = B.derive(dict(_rec("fp8_ds_mla", 8, 64, 100.0), v2_us=60.0, v2_rel_err=5e-3), 4e12)
+    assert v2rec["path"] == "v2" and v2rec["ours_us"] == 60.0
+    assert v2rec["ours_ratio_vs_flashmla"] == 60.0 / v2rec["flashmla_us"]
+    row = B.decode_table([v2rec])[2]
+    assert row.startswith("| fp8_ds_mla | 8 | 64 | v2 | 60.0 | 100.0 | ") and row.endswith(" | 5.0e-03 |")
     assert len(B.decode_table(recs, proxy=True)) == 3
     (tmp_path / "sparse_decode_h200.json").write_text(json.dumps(res))
     pre = {"device": "NVIDIA H200", "topk": 2048, "runs": [{"command": "python bench/sparse_mla_decode.py --prefill"}],
@@ -261,7 +268,7 @@ def test_tables_and_readme_sections(tmp_path):
               "<!-- sparse-mla-prefill:begin -->\n<!-- sparse-mla-prefill:end -->\nend\n")
     out = RT.render_readme(readme, tmp_path)
     assert out.startswith("intro\n") and out.endswith("end\n") and "\nmiddle\n" in out and "stale" not in out
-    assert "| fp8_ds_mla | 8 | 1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
+    assert "| fp8_ds_mla | 8 | 1 | v1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
     assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 500.0 | 1000.0 | 0.90 | 0.50 |" in out
     assert "`python bench/sparse_mla_decode.py --prefill`" in out
     assert RT.render_readme(out, tmp_path) == out  # idempotent

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from kernels import triton_sparse_mla as v1
 from kernels import triton_sparse_mla_v2 as v2
@@ -104,7 +105,8 @@ def test_v2_specs_cover_every_dispatch_config():
                 c = v2.pick_config_v2(h, cc, t)
                 for dt in ("bfloat16", "float16"):
                     for split in (0, 1):
-                        n = f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},split={split}]"
+                        n = (f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
+                             f"qa={c['QK_ACCS']},split={split}]")
                         assert n in names, n
                 assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
 
@@ -197,6 +199,7 @@ def emulated_v2(monkeypatch):
     monkeypatch.setattr(v2, "_sparse_mla_v2_kernel", launch)
     monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(v2, "_device_props", lambda device: (12, 0, 8))
+    monkeypatch.setattr(v2, "_PLANS_V2", {})  # plans made here launch the emulated kernel only
     return launch
 
 
@@ -466,3 +469,58 @@ def test_gpu_v2_fallbacks_are_v1(seed):
     o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     assert v2.v2_unsupported_reason(q[:, :8], "fp8_ds_mla") is None
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: split policy and the host-side plan cache
+# --------------------------------------------------------------------------------------------
+
+def test_v2_slot_split_policy():
+    """The slot policy picks the split counts the H100/H200 sweeps measured best (SM90: 132 SMs x 2
+    CTA slots, 64 tiles of 32 rows: 64 / 8 / 2 splits at T = 1 / 32 / 128), never an empty split and
+    never more splits than tiles or than the merge takes."""
+    f = v2._pick_splits_slots
+    assert f(1, 1, 64, 264, 2) == 64
+    assert f(32, 1, 64, 264, 2) == 8
+    assert f(128, 1, 64, 264, 2) == 2
+    assert f(4096, 1, 64, 264, 2) == 1
+    for T in range(1, 300, 7):
+        for n_tiles in (1, 3, 64, 100, 200):
+            for slots in (84, 188, 264):
+                s = f(T, 1, n_tiles, slots, 2)
+                assert 1 <= s <= min(n_tiles, v2.MAX_SPLITS)
+                assert triton.cdiv(n_tiles, triton.cdiv(n_tiles, s)) == s  # no empty split
+    # the dispatch's count is the policy's (SM90 two slots per SM, SM120 one)
+    assert v2.v2_num_splits(128, 8, 2048, 9, 132) == 2
+    assert v2.v2_num_splits(128, 8, 2048, 12, 188) == f(128, 1, 64, 188, 2)
+    assert v2.v2_num_splits(128, 8, 2048, 9, 132, num_splits=5) == 5
+    assert v2.v2_num_splits(128, 8, 2048, 9, 132, config={"WAVES": 4, "MIN_TILES": 1}) == 5
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+def test_emulated_v2_plan_cache(emulated_v2, monkeypatch, seed):
+    """A call is validated and planned once per key; later calls with the same key launch the
+    cached plan (same results), a new key (given out/lse, other shapes) plans again, and
+    ``config`` / ``validate`` calls always plan."""
+    made = []
+    real = v2._plan_v2
+    monkeypatch.setattr(v2, "_plan_v2", lambda *a, **k: made.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 8, 16, 4, 3, 70
+    cache = _cpu_cache(nb, bs, torch.bfloat16, gen)
+    q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-5, nb * bs + 5, (T, topk), generator=gen, dtype=torch.int32)
+    o1, l1 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
+    o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
+    assert len(made) == 1 and torch.equal(o1, o2) and torch.equal(l1, l2)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((T, H), float("nan"))
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)
+    assert len(made) == 2 and torch.equal(out, o1) and torch.equal(lse, l1)
+    v2.sparse_mla_decode_v2(q[:2], cache, idx[:2], SCALE, "fp8_ds_mla", fallback=False)
+    assert len(made) == 3
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False, config={"QK_ACCS": 1})
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False, config={"QK_ACCS": 1})
+    assert len(made) == 5
+    with pytest.raises(ValueError, match="indices contain slots"):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False, validate=True)

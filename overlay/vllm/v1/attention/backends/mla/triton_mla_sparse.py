@@ -321,13 +321,15 @@ class TritonMLASparseImpl(
         indices: torch.Tensor,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_decode
+        # v2 (Gluon: one staging of each KV tile, cp.async ring) for fp8_ds_mla with <= 16
+        # heads (TP8 / TP4) on SM8x/SM9x/SM12x; every other call goes to v1 inside it.
+        from vllm.v1.attention.ops.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
         if isinstance(q, tuple):
             # (W_UK-absorbed latent query [T, H, 512], rope query [T, H, 64]);
             # T * H * 1152 bytes, small next to the KV the kernel streams.
             q = torch.cat(q, dim=-1)
-        out, lse = sparse_mla_decode(
+        out, lse = sparse_mla_decode_v2(
             q,
             kv_cache,
             indices,
