@@ -496,8 +496,8 @@ def v2_num_splits(T: int, H: int, topk: int, cc_major: int, num_sms: int, config
 class _PlanV2:
     """A validated, planned v2 call: what a later call with the same key launches directly."""
 
-    __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "merge_grid", "merge_meta",
-                 "empty")
+    __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
+                 "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel")
 
 
 _PLANS_V2: dict = {}
@@ -560,14 +560,21 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
-    p.meta = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
-                  num_warps=nw, maxnreg=MAXNREG)
+    consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1))
+    p.consts = tuple(consts.values())  # in the kernel's parameter order
+    p.meta = dict(consts, num_warps=nw, maxnreg=MAXNREG)
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
-    p.merge_meta = dict(BLOCK_S=16 if p.num_splits <= 16 else MAX_SPLITS, BLOCK_D=128, num_warps=4)
+    block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
+    p.merge_consts = (block_s, 128)
+    p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=128, num_warps=4)
+    p.dev_index = -1  # CPU: the emulated kernel in the tests
+    if q.is_cuda:
+        p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    p.kernel = p.merge_kernel = None
     return p
 
 
-def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse):
+def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False):
     T, H = p.T, p.H
     if out is None:
         out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
@@ -578,20 +585,48 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse):
             out.zero_()
             lse.fill_(float("-inf"))
         return out, lse
+    split = p.num_splits > 1
+    t = p.tail
+    k = p.kernel
+    if k is not None and _v1._no_launch_hooks():
+        # Direct launch of the kernels compiled for this plan (as v1 does: pointers as integers,
+        # no argument binding or specialization; the plan's key fixed every tensor's layout). The
+        # split path's partial results live in one allocation: [po | plse].
+        op, lp = out.data_ptr(), lse.data_ptr()
+        if split:
+            n = T * H * p.num_splits
+            scratch = torch.empty(n * (LATENT_DIM + 1), dtype=torch.float32, device=q.device)
+            pp = scratch.data_ptr()
+            plp = pp + n * LATENT_DIM * 4
+        else:
+            pp, plp = op, lp  # unused by the kernel
+        stream = _v1._raw_stream(p.dev_index)
+        k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+              q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, *p.consts)
+        if split:
+            m = p.merge_kernel
+            m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
+                  pp, plp, op, lp, H, p.num_splits, t[12], t[13], t[14], t[15], t[16], *p.merge_consts)
+        return out, lse
+    # first launch of a plan (or a launch hook, e.g. a profiler): Triton's JIT path
     kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
     kv = kv.view(torch.uint8)
-    split = p.num_splits > 1
     if split:
         po = torch.empty((T, H, p.num_splits, LATENT_DIM), dtype=torch.float32, device=q.device)
         plse = torch.empty((T, H, p.num_splits), dtype=torch.float32, device=q.device)
     else:
         po, plse = out, lse  # unused
-    _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *p.tail, **p.meta)
+    k = _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
+    m = None
     if split:
         # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
-        t = p.tail
-        _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, H, p.num_splits,
-                                                   t[12], t[13], t[14], t[15], t[16], **p.merge_meta)
+        m = _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, H, p.num_splits,
+                                                       t[12], t[13], t[14], t[15], t[16], **p.merge_meta)
+    if cache_kernels and p.kernel is None:
+        k, m = _v1._compiled(k), _v1._compiled(m)
+        if k is not None and (m is not None or not split):
+            p.merge_kernel = m
+            p.kernel = k
     return out, lse
 
 
@@ -640,7 +675,7 @@ def sparse_mla_decode_v2(
         if len(_PLANS_V2) >= _MAX_PLANS:
             _PLANS_V2.clear()
         _PLANS_V2[key] = p
-    return _launch_v2(p, q, kv_cache, indices, out, lse)
+    return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda)
 
 
 # --------------------------------------------------------------------------------------------

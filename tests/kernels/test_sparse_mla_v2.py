@@ -458,6 +458,32 @@ def test_gpu_v2_cuda_graph_capture(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_gpu_v2_direct_launch(num_splits, seed):
+    """After the first call of a key (Triton's JIT path) the plan holds the compiled kernels and
+    later calls launch them directly: same bits as the first call, and right on new data."""
+    nb, bs, T, H = 256, 64, 3, 8
+    cache = make_cache(nb, bs, torch.bfloat16, "cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-10, nb * bs + 10, (T, 2048), device="cuda", dtype=torch.int32)
+    v2._PLANS_V2.clear()
+    o1, l1 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=num_splits, fallback=False)
+    key = v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, num_splits)
+    plan = v2._PLANS_V2[key]
+    assert plan.kernel is not None, "the first launch did not leave a directly launchable kernel"
+    assert (plan.merge_kernel is not None) == (plan.num_splits > 1)
+    for _ in range(2):
+        o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=num_splits, fallback=False)
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    out = torch.empty((T, H, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((T, H), dtype=torch.float32, device="cuda")
+    for _ in range(3):  # first call plans this key, the others launch directly
+        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
+        idx.copy_(torch.randint(-10, nb * bs + 10, idx.shape, device="cuda", dtype=torch.int32))
+        check(q, cache, idx, num_splits=num_splits, out=out, lse=lse)
+
+
+@pytest.mark.gpu
 def test_gpu_v2_fallbacks_are_v1(seed):
     """On the GPU: H > 16 and the other formats go to v1 (bit-identical results)."""
     nb, bs = 64, 64
