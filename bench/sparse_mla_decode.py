@@ -553,12 +553,17 @@ def flashmla_prefill_fns(fmi, vllm_c: bool, q, cache, table, positions, slots, l
 
 def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
     import torch
-    from kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+    from kernels.triton_sparse_mla import sparse_mla_decode_reference
+    from kernels.triton_sparse_mla import sparse_mla_decode as sparse_mla_v1
+    from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2 as sparse_mla_decode  # the dispatch
+    from kernels.triton_sparse_mla_v2 import v2_unsupported_reason
 
     cache, _ = pools["fp8_ds_mla"]
     seed = ctx * 131 + H
     q, table, positions, slots, lengths = prefill_inputs(ctx, H, device, seed)
     rec = {"context": ctx, "heads": H, "tokens": q.shape[0], "topk": TOPK, "kv_format": "fp8_ds_mla"}
+    # "us" is what TRITON_MLA_SPARSE runs for this prefill (v2 at <= 16 heads, v1 above)
+    rec["path"] = "v1" if v2_unsupported_reason(q, "fp8_ds_mla") else "v2"
     out = sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")[0]
     sample = torch.linspace(0, q.shape[0] - 1, 64, device=device).long()
     ro, _ = sparse_mla_decode_reference(q[sample], cache, slots[sample], SOFTMAX_SCALE, "fp8_ds_mla")
@@ -580,7 +585,7 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
         mla_kv_gather_dequant(cache, bt, one_len, zero, ws, "fp8_ds_mla", max_seq_len=ctx)
 
     def ws_attn():
-        return sparse_mla_decode(q, ws.view(ctx, 1, 576), positions, SOFTMAX_SCALE, "bfloat16")[0]
+        return sparse_mla_v1(q, ws.view(ctx, 1, 576), positions, SOFTMAX_SCALE, "bfloat16")[0]
 
     ws_gather()
     o_ws = ws_attn()

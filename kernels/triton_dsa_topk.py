@@ -43,7 +43,7 @@ Algorithm for longer calls (two launches; the row's logits are read once from L2
    all 32 bits when ``SHORT_SELECT`` is off, as ``SHORT=False`` sets it); longer rows concatenate their segments (in
    position order), radix-select the k-th key ``tau`` among the window (only the bits that vary
    inside the window), then take the candidates ``> tau`` plus the first ``need`` ones ``== tau``
-   (lowest positions first). With ``MERGE_REGS`` (off until timed on a GPU) the segments' windows
+   (lowest positions first). With ``MERGE_REGS`` (off: measured 1-12% slower) the segments' windows
    are instead loaded straight into registers (``SEGCAP`` lanes each, ``merge_segcap``) and
    selected there with the short kernel's bisection (``_merge_regs``): no concatenation through
    global memory; same output.
@@ -627,8 +627,9 @@ SHORT_MAX = 8192
 BISECT_BITS = 2
 # Long rows (> CAP): the merge kernel selects from the segments' windows in registers
 # (``_merge_regs``) instead of concatenating them through global memory and radix-resolving the
-# concatenation. Same output (tested); written without GPU time left to measure it (2026-12-03):
-# off until bench/dsa_indexer.py --sweep '[{"topk": {"MERGE_REGS": true}}]' has timed it.
+# concatenation. Same output (tested). Off: timed on an H100 (2026-12-06,
+# bench/results/indexer_h100_merge_regs.json) it was 1-12% slower than the concatenating merge at
+# 32k T = 1/16/64 and 128k T = 1/16 (docs/notes/dsa_indexer.md, "Register merge").
 MERGE_REGS = False
 
 

@@ -265,12 +265,17 @@ def test_tables_and_readme_sections(tmp_path):
                         "host_us": 8.0, "rel_err_sampled_rows": 4e-3}]}
     (tmp_path / "sparse_prefill_h200.json").write_text(json.dumps(pre))
     readme = ("intro\n<!-- sparse-mla-decode:begin -->\nstale\n<!-- sparse-mla-decode:end -->\nmiddle\n"
+              "<!-- sparse-mla-decode-tp:begin -->\n<!-- sparse-mla-decode-tp:end -->\n"
               "<!-- sparse-mla-prefill:begin -->\n<!-- sparse-mla-prefill:end -->\nend\n")
     out = RT.render_readme(readme, tmp_path)
     assert out.startswith("intro\n") and out.endswith("end\n") and "\nmiddle\n" in out and "stale" not in out
     assert "| fp8_ds_mla | 8 | 1 | v1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
     assert "SM120 proxy" in out and "| 8192 | 8 | 8192 | 900.0 | 500.0 | 1000.0 | 0.90 | 0.50 |" in out
     assert "`python bench/sparse_mla_decode.py --prefill`" in out
+    assert "no decode results yet" in out  # the TP table's file is not there
+    (tmp_path / f"{RT.TP_DECODE_STEM}.json").write_text(json.dumps(dict(res, device="NVIDIA H100 80GB HBM3")))
+    out = RT.render_readme(readme, tmp_path)
+    assert out.count("| fp8_ds_mla | 8 | 1 | v1 | 10.0 |") == 2 and "NVIDIA H100 80GB HBM3, topk" in out
     assert RT.render_readme(out, tmp_path) == out  # idempotent
     (tmp_path / "sparse_prefill_h200.json").unlink()
     assert "no prefill results yet" in RT.render_readme(readme, tmp_path)
