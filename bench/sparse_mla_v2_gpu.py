@@ -309,7 +309,8 @@ def main(argv=None) -> int:
             if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
                 continue
             for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 4},
-                          {"QK_ACCS": 1}, {"CTAS_PER_SM": 1}):
+                          {"QK_ACCS": 1}, {"CTAS_PER_SM": 1}, {"DQ_VEC": 8}, {"S_SWIZZLE": True},
+                          {"DQ_VEC": 8, "S_SWIZZLE": True}):
                 cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
                 for H, T in ((8, 1), (16, 4), (3, 37)):
                     q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
@@ -373,6 +374,10 @@ def main(argv=None) -> int:
                                         for c in v2.TUNING_CONFIGS[1:]]
                             # S in one mma.sync chain instead of one accumulator per 128-group
                             variants.append((dict(base, QK_ACCS=5 - base["QK_ACCS"]), None))
+                            # shared-store bank conflicts (Nsight Compute, H100): the dequantized
+                            # tile's store vector and the S exchange tile's swizzle
+                            for dq, sw in ((8, False), (16, True), (8, True)):
+                                variants.append((dict(base, DQ_VEC=dq, S_SWIZZLE=sw), None))
                             # the older policy (WAVES x SMs programs) and forced split counts
                             variants += [(dict(base, WAVES=w, MIN_TILES=mt), None)
                                          for w, mt in ((1, 1), (2, 1), (4, 1))]
@@ -384,7 +389,8 @@ def main(argv=None) -> int:
                                     continue
                                 policy = (f"_W{c2['WAVES']}_MT{c2['MIN_TILES']}" if "WAVES" in c2
                                           else f"_S{ns}" if ns else f"_slots{c2['CTAS_PER_SM']}")
-                                key = f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}{policy}"
+                                key = (f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}"
+                                       f"_DQ{c2.get('DQ_VEC', 16)}_SW{int(c2.get('S_SWIZZLE', False))}{policy}")
                                 sweep[key] = time_graph([(lambda s=s, c2=c2, ns=ns: v2.sparse_mla_decode_v2(
                                     s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2,
                                     num_splits=ns, fallback=False)) for s in sets])

@@ -134,7 +134,7 @@ if HAS_GLUON:
               lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
               nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-              QK_ACCS: gl.constexpr):
+              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr):
         """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
         the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
         O += P V. Returns the loop state."""
@@ -149,7 +149,10 @@ if HAS_GLUON:
         L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        # dequantization: DQ_VEC contiguous values per thread, one 128-wide group row per
+        # GROUP // DQ_VEC lanes (16: 4 rows per warp; 8: 2 rows per warp, one 16-byte store each)
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 // (GROUP // DQ_VEC), GROUP // DQ_VEC],
+                                              [NUM_WARPS, 1], [1, 0])
 
         # index loads for later tiles: latency hidden behind this tile's work
         nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
@@ -252,6 +255,8 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr,
         NUM_WARPS: gl.constexpr,
         QK_ACCS: gl.constexpr = 1,
+        DQ_VEC: gl.constexpr = 16,
+        S_SWIZZLE: gl.constexpr = False,
     ):
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
@@ -285,7 +290,12 @@ if HAS_GLUON:
         k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
         q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, DV], SH_SW)
         qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SH_SW)
-        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], SH_PLAIN)
+        # S exchange tile: written from the MMA accumulator layout, whose lanes with one column
+        # pair sit 8 rows apart (128 B with BLOCK_N 32: one bank, an 8-way conflict in a plain
+        # layout); S_SWIZZLE XORs the 8-byte column unit with the row (Nsight Compute on the H100:
+        # shared stores averaged 9 wavefronts per request, 58% of them conflicts)
+        SH_S: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0]) if S_SWIZZLE else SH_PLAIN
+        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], SH_S)
 
         # ---- program -> (token, head block, split) --------------------------------------------
         n_hb = gl.cdiv(num_heads, BLOCK_H)
@@ -342,14 +352,14 @@ if HAS_GLUON:
                 qk_scale_log2, i + 1 < n_t,
                 lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS)
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC)
             if i + 1 < n_t:
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
                     kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 2 < n_t,
                     lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC)
         cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
 
         # ---- epilogue -------------------------------------------------------------------------
@@ -560,7 +570,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
-    consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1))
+    consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
+                  DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)))
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=MAXNREG)
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
@@ -693,12 +704,14 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
         for h in range(1, 17):
             for t in (1, 4096):
                 c = pick_config_v2(h, cc_major, t)
-                seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1))] = c
+                seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
+                      bool(c.get("S_SWIZZLE", False)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
         for c in configs:
             bh, bn, nw, qa = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1)
+            dq, sw = c.get("DQ_VEC", 16), bool(c.get("S_SWIZZLE", False))
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -712,15 +725,17 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "stride_lt": "i32", "stride_lh": "constexpr",
                         "num_splits": "i32", "tiles_per_split": "i32",
                         "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
-                        "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr",
+                        "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
+                        "S_SWIZZLE": "constexpr",
                     }
                     specs.append({
-                        "name": f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},split={int(split)}]",
+                        "name": (f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},"
+                                 f"dq={dq},sw={int(sw)},split={int(split)}]"),
                         "fn": _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                                        "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
-                                       "QK_ACCS": qa},
+                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw},
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
                                             "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],

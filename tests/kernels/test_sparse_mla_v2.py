@@ -106,7 +106,8 @@ def test_v2_specs_cover_every_dispatch_config():
                 for dt in ("bfloat16", "float16"):
                     for split in (0, 1):
                         n = (f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
-                             f"qa={c['QK_ACCS']},split={split}]")
+                             f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
+                             f"split={split}]")
                         assert n in names, n
                 assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
 
@@ -271,7 +272,8 @@ def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
     q = torch.randn((T, H, 576), generator=gen).to(torch.bfloat16)
     idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
     ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"QK_ACCS": 1}, {"QK_ACCS": 4}):
+    for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"QK_ACCS": 1}, {"QK_ACCS": 4}, {"DQ_VEC": 8},
+                  {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}):
         out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
                                            config=dict(v2.TUNING_CONFIGS[cfg], **extra))
         rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
@@ -367,7 +369,7 @@ def test_gpu_v2_tuning_configs(cfg, seed):
         q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
         idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
         for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 1},
-                      {"QK_ACCS": 4}):
+                      {"QK_ACCS": 4}, {"DQ_VEC": 8}, {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}):
             check(q, cache, idx, config=dict(c, **extra))
 
 
