@@ -134,7 +134,7 @@ if HAS_GLUON:
               lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
               nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr):
+              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr, RING: gl.constexpr):
         """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
         the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
         O += P V. Returns the loop state."""
@@ -162,10 +162,11 @@ if HAS_GLUON:
 
         cp.wait_group(0)  # this thread's copies of this tile landed
         _cta_barrier()  # everyone's did; everyone is done with the previous tile
-        if has_next:
-            _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-        cp.commit_group()
+        if RING == 2:  # the other stage is free: the next tile's copies go now
+            if has_next:
+                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            cp.commit_group()
 
         # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group)
         raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
@@ -225,6 +226,11 @@ if HAS_GLUON:
         valid = (vs >= 0) & (vs < num_slots)
         s_smem.store(gl.where(valid[None, :], s * qk_scale_log2, float("-inf")))
         _cta_barrier()
+        if RING == 1:  # one stage: free once every warp's QK (which reads its rope) is done
+            if has_next:
+                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            cp.commit_group()
         s = s_smem.load(OP_A)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
@@ -257,6 +263,7 @@ if HAS_GLUON:
         QK_ACCS: gl.constexpr = 1,
         DQ_VEC: gl.constexpr = 16,
         S_SWIZZLE: gl.constexpr = False,
+        RING: gl.constexpr = 2,
     ):
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
@@ -279,11 +286,18 @@ if HAS_GLUON:
         SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-        lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
         sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-        sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
         rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-        rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        # RING 1: one raw stage (21 KB less at BLOCK_N 32, for more CTAs per SM); the next tile's
+        # copies then start after the QK of this one instead of before its dequantization
+        if RING == 2:
+            lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+            sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+            rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        else:
+            lat_b = lat_a
+            sc_b = sc_a
+            rp_b = rp_a
         k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
         k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
         k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
@@ -352,14 +366,14 @@ if HAS_GLUON:
                 qk_scale_log2, i + 1 < n_t,
                 lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC)
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING)
             if i + 1 < n_t:
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
                     kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 2 < n_t,
                     lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING)
         cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
 
         # ---- epilogue -------------------------------------------------------------------------
@@ -434,10 +448,10 @@ TUNING_CONFIGS = (
 )
 
 
-def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16) -> int:
-    """Shared memory the kernel allocates explicitly: the ring 2 x (512 + 16 + 64*elem) B per row,
-    the 16-bit K tile, q and the fp32 S tile."""
-    return (2 * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
+def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2) -> int:
+    """Shared memory the kernel allocates explicitly: the ring ``ring`` x (512 + 16 + 64*elem) B per
+    row, the 16-bit K tile, q and the fp32 S tile."""
+    return (ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
             + block_h * block_n * 4)
 
 
@@ -571,9 +585,10 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
     consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
-                  DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)))
+                  DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
+                  RING=cfg.get("RING", 2))
     p.consts = tuple(consts.values())  # in the kernel's parameter order
-    p.meta = dict(consts, num_warps=nw, maxnreg=MAXNREG)
+    p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
     block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
     p.merge_consts = (block_s, 128)
@@ -705,13 +720,13 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             for t in (1, 4096):
                 c = pick_config_v2(h, cc_major, t)
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
-                      bool(c.get("S_SWIZZLE", False)))] = c
+                      bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
         for c in configs:
             bh, bn, nw, qa = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1)
-            dq, sw = c.get("DQ_VEC", 16), bool(c.get("S_SWIZZLE", False))
+            dq, sw, ring = c.get("DQ_VEC", 16), bool(c.get("S_SWIZZLE", False)), c.get("RING", 2)
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -726,22 +741,22 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "num_splits": "i32", "tiles_per_split": "i32",
                         "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
                         "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
-                        "S_SWIZZLE": "constexpr",
+                        "S_SWIZZLE": "constexpr", "RING": "constexpr",
                     }
                     specs.append({
                         "name": (f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},"
-                                 f"dq={dq},sw={int(sw)},split={int(split)}]"),
+                                 f"dq={dq},sw={int(sw)},ring={ring},split={int(split)}]"),
                         "fn": _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                                        "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
-                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw},
+                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring},
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
                                             "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],
                         "num_warps": nw,
                         "num_stages": 1,
-                        "maxnreg": MAXNREG,
+                        "maxnreg": c.get("MAXNREG", MAXNREG),
                     })
     for qdt, qt in _PTR_TYPES.items():
         for block_s in (16, MAX_SPLITS):

@@ -65,6 +65,22 @@ def test_v2_compiles_within_limits(arch, tmp_path):
 
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("arch", [120, 90])
+def test_v2_one_stage_ring_compiles(arch):
+    """RING 1 (one raw stage) at BLOCK_N 16 under a 168-register cap: 46,336 B of shared memory
+    (two CTAs in SM120's 100 KB, three on SM90 by registers) and no spills."""
+    import tools.sm120_check as chk
+
+    cfg = dict(v2.pick_config_v2(8, 12, 64), BLOCK_N=16, RING=1, MAXNREG=168)
+    spec = next(x for x in v2.compile_specs(12, configs=[cfg])
+                if x["name"].startswith("sparse_mla_v2[bfloat16") and "split=1" in x["name"])
+    assert spec["maxnreg"] == 168 and spec["constexprs"]["RING"] == 1
+    r = chk.compile_spec(spec, arch)
+    assert r["shared"] == v2.shared_bytes_v2(16, ring=1) == 46336, r
+    assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 168, r
+
+
+@pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 def test_v2_tuning_configs_compile_for_sm90(tmp_path):
     """The configurations the benchmark and the GPU tests force (TUNING_CONFIGS) compile for sm_90
     within its 227 KB of shared memory, without spills, and use the shared memory accounted for."""
@@ -107,7 +123,7 @@ def test_v2_specs_cover_every_dispatch_config():
                     for split in (0, 1):
                         n = (f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
                              f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
-                             f"split={split}]")
+                             f"ring={c.get('RING', 2)},split={split}]")
                         assert n in names, n
                 assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
 
@@ -273,7 +289,7 @@ def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
     idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
     ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
     for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"QK_ACCS": 1}, {"QK_ACCS": 4}, {"DQ_VEC": 8},
-                  {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}):
+                  {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}):
         out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
                                            config=dict(v2.TUNING_CONFIGS[cfg], **extra))
         rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
@@ -369,7 +385,8 @@ def test_gpu_v2_tuning_configs(cfg, seed):
         q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
         idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
         for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 1},
-                      {"QK_ACCS": 4}, {"DQ_VEC": 8}, {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}):
+                      {"QK_ACCS": 4}, {"DQ_VEC": 8}, {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True},
+                      {"RING": 1}, {"RING": 1, "MAXNREG": 168}):
             check(q, cache, idx, config=dict(c, **extra))
 
 
