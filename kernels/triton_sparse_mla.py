@@ -836,10 +836,16 @@ def sparse_mla_decode(
         if bool((indices >= num_slots).any().item()):
             raise ValueError(f"indices contain slots >= num_blocks * block_size = {num_slots}")
     if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = p
+        remember_plan(_PLANS, key, p)
     return _launch(p, q, kv_cache, indices, k_scale, out, lse, key is not None)
+
+
+def remember_plan(table: dict, key, plan) -> None:
+    """Keep ``plan`` under ``key``; past ``_MAX_PLANS`` keys the table starts over (a plan is cheap
+    to rebuild; a long-running server sees few distinct keys)."""
+    if len(table) >= _MAX_PLANS:
+        table.clear()
+    table[key] = plan
 
 
 # --------------------------------------------------------------------------------------------

@@ -524,8 +524,7 @@ class _PlanV2:
                  "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel")
 
 
-_PLANS_V2: dict = {}
-_MAX_PLANS = 4096  # distinct keys kept; past it the table is cleared (a plan is cheap to rebuild)
+_PLANS_V2: dict = {}  # plan key (v1's _plan_key) -> _PlanV2; bounded by v1's remember_plan
 
 
 def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) -> _PlanV2:
@@ -698,9 +697,7 @@ def sparse_mla_decode_v2(
     if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")
     if key is not None:
-        if len(_PLANS_V2) >= _MAX_PLANS:
-            _PLANS_V2.clear()
-        _PLANS_V2[key] = p
+        _v1.remember_plan(_PLANS_V2, key, p)
     return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda)
 
 
