@@ -559,6 +559,9 @@ def test_a_childs_whole_process_group_ends_with_the_tool(tmp_path, sig):
     pidfile = tmp_path / "grandchild.pid"
     code = (
         f"import sys; sys.path.insert(0, {str(REPO / 'tools')!r})\n"
+        # Ctrl-C as a terminal's foreground process has it: a test run started as a background job
+        # of a non-interactive shell inherits SIGINT ignored, which Python (and the tool) keep
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from overlay_tool.safety import handle_signals, run\n"
         "handle_signals()\n"
         f"run(['sh', '-c', 'sleep 300 & echo $! > {pidfile}; wait'])\n"
