@@ -24,8 +24,11 @@ Prefill and decode both run the sparse top-k kernel, one query row per token:
 the impl has no dense-MHA prefill, so it sets ``supports_dense_mha_prefill =
 False`` and the MLA layer routes every token to ``forward_mqa``.
 
-Kernels: ``vllm/v1/attention/ops/triton_sparse_mla.py`` (attention) and
-``vllm/v1/attention/ops/triton_mla_kv_cache.py`` (cache writes).
+Kernels: ``vllm/v1/attention/ops/triton_sparse_mla_v2.py`` (attention for
+fp8_ds_mla with <= 16 heads per GPU, TP8 / TP4: a Gluon kernel that stages each
+KV tile once), ``vllm/v1/attention/ops/triton_sparse_mla.py`` (attention in
+every other case) and ``vllm/v1/attention/ops/triton_mla_kv_cache.py`` (cache
+writes).
 """
 
 from typing import TYPE_CHECKING, ClassVar
