@@ -77,10 +77,16 @@ __all__ = [
 
 sparse_mla_decode_reference = _v1.sparse_mla_decode_reference
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-HEAD_DIM = 576
-DS_ROW_BYTES = 656
+# The fp8_ds_mla row layout comes from the one format module (mla_kv_format.py), as the writer's,
+# v1's and the backend's do: 512 e4m3 latent bytes, 4 fp32 scales, 64 16-bit rope values.
+_DS_ROW = _v1._kvf.resolve_kv_format("fp8_ds_mla", torch.bfloat16)
+LATENT_DIM = _v1._kvf.LATENT_DIM
+ROPE_DIM = _v1._kvf.ROPE_DIM
+HEAD_DIM = _v1._kvf.HEAD_DIM
+DS_ROW_BYTES = _DS_ROW.row_bytes  # 656
+# byte offsets inside a row, as Gluon compile-time constants of the copy helper
+_DS_SCALE_OFFSET = gl.constexpr(_DS_ROW.scale_offset) if HAS_GLUON else _DS_ROW.scale_offset  # 512
+_DS_ROPE_OFFSET = gl.constexpr(_DS_ROW.rope_offset) if HAS_GLUON else _DS_ROW.rope_offset  # 528
 MAX_SPLITS = _v1.MAX_SPLITS  # what the shared merge kernel takes
 _LOG2E = 1.4426950408889634
 SM120_SHARED_LIMIT = 101376
@@ -121,11 +127,11 @@ if HAS_GLUON:
         cp.async_copy_global_to_shared(lat_buf, kv_ptr + r[:, None] + cl[None, :], mask=v[:, None])
         v, r = _rows(sl_sc, num_slots, block_size, stride_kb, stride_ks)
         c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC))
-        sp = (kv_ptr + r + 512).to(gl.pointer_type(gl.float32))
+        sp = (kv_ptr + r + _DS_SCALE_OFFSET).to(gl.pointer_type(gl.float32))
         cp.async_copy_global_to_shared(sc_buf, sp[:, None] + c4[None, :], mask=v[:, None])
         v, r = _rows(sl_rp, num_slots, block_size, stride_kb, stride_ks)
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_RP))
-        rp = (kv_ptr + r + 528).to(gl.pointer_type(DT))
+        rp = (kv_ptr + r + _DS_ROPE_OFFSET).to(gl.pointer_type(DT))
         cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
 
     @gluon.jit

@@ -288,6 +288,8 @@ def emulated(module, name: str):
     g = dict(module.__dict__)
     g.update(gl=make_gl(), cp=make_cp(), mma_v2=_mma_v2, _cta_barrier=lambda: None)
     for k, v in list(g.items()):
+        if type(v).__name__ == "constexpr":  # module-level gl.constexpr globals: their values
+            g[k] = v.value
         if type(v).__name__ == "GluonJITFunction":
             f = v.fn
             g[k] = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
