@@ -461,8 +461,11 @@ def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 
             + block_h * block_n * 4)
 
 
-def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None) -> str | None:
-    """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback)."""
+def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None, *,
+                          kv_cache: torch.Tensor | None = None) -> str | None:
+    """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback). With
+    ``kv_cache``, a cache whose rows are not 16-byte aligned (its 16-byte copies need them) goes to
+    v1 too, which reads any alignment, instead of failing in v2's validation."""
     if not HAS_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if kv_format != "fp8_ds_mla":
@@ -474,6 +477,10 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
         return f"H = {h}: v2 handles 1..16 heads"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q dtype {q.dtype}"
+    if kv_cache is not None and kv_cache.dim() >= 2 and (
+            kv_cache.stride(0) * kv_cache.element_size() % 16 or kv_cache.stride(1) * kv_cache.element_size() % 16
+            or kv_cache.data_ptr() % 16):
+        return "fp8_ds_mla cache rows not 16-byte aligned"
     if not q.is_cuda:
         return "not a CUDA tensor (Gluon kernels do not run in the interpreter)"
     major = _device_props(q.device)[0]
@@ -693,7 +700,7 @@ def sparse_mla_decode_v2(
             p = _PLANS_V2.get(key)
             if p is not None:
                 return _launch_v2(p, q, kv_cache, indices, out, lse)
-    reason = v2_unsupported_reason(q, kv_format)
+    reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache)
     if reason is not None:
         if not fallback:
             raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")

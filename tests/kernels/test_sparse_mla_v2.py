@@ -176,6 +176,12 @@ def test_v2_fallback_is_explicit():
     q = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
     assert v2.v2_unsupported_reason(q, "fp8") is not None and "fp8_ds_mla" in v2.v2_unsupported_reason(q, "fp8")
     assert "heads" in v2.v2_unsupported_reason(torch.zeros((2, 32, 576), dtype=torch.bfloat16), "fp8_ds_mla")
+    # a cache whose rows are not 16-byte aligned goes to v1 (which reads any alignment)
+    q8 = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
+    big = torch.zeros((4, 64, 656 + 8), dtype=torch.uint8)
+    assert "aligned" in v2.v2_unsupported_reason(q8, "fp8_ds_mla", kv_cache=big[:, :, :656])
+    assert "aligned" in v2.v2_unsupported_reason(q8, "fp8_ds_mla", kv_cache=big.view(-1)[8:8 + 4 * 64 * 656].view(4, 64, 656))
+    assert "aligned" not in (v2.v2_unsupported_reason(q8, "fp8_ds_mla", kv_cache=torch.zeros((4, 64, 656), dtype=torch.uint8)) or "")
     if not torch.cuda.is_available():
         assert "CUDA" in v2.v2_unsupported_reason(q, "fp8_ds_mla")
         with pytest.raises(NotImplementedError, match="CUDA"):
