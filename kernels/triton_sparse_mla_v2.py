@@ -434,7 +434,7 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     then minimizes waves-of-slots x (tiles per program + overhead).
 
     Measured with ``bench/sparse_mla_v2_gpu.py`` (32k context, H 8 / 16; H200 sweeps in
-    ``bench/results/sparse_mla_v2_h200.json``, H100 sweeps of 2026-12-06 in docs/notes/sparse_mla_v2.md):
+    ``bench/results/sparse_mla_v2_h200.json``, H100 sweeps of 2026-12-06 in ``..._h100.json``):
     QK_ACCS 4 took 0-14% less time than 1 at every T (T = 128: 133.5 against 144.1 us on the H100);
     the slot policy picks the best split count the sweep found at T = 1, 32 and 128 (64, 8, 2
     splits: 9.4, 40.1, 133.5 us on the H100) where the fixed WAVES x SMs targets were each wrong
