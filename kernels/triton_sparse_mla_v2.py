@@ -520,8 +520,12 @@ def v2_num_splits(T: int, H: int, topk: int, cc_major: int, num_sms: int, config
     cfg = dict(pick_config_v2(H, cc_major, T))
     if config:
         cfg.update(config)
-    n_hb = triton.cdiv(H, cfg["BLOCK_H"])
-    n_tiles = max(1, triton.cdiv(topk, cfg["BLOCK_N"]))
+    return _splits_for(cfg, T, triton.cdiv(H, cfg["BLOCK_H"]), max(1, triton.cdiv(topk, cfg["BLOCK_N"])),
+                       num_sms, num_splits)
+
+
+def _splits_for(cfg: dict, T: int, n_hb: int, n_tiles: int, num_sms: int, num_splits: int | None) -> int:
+    """The split count of a resolved config: the policy's (or the caller's), clamped, no empty split."""
     if num_splits is None:
         if "WAVES" in cfg:  # forced target policy (sweeps)
             num_splits = _pick_splits(T, n_hb, n_tiles, num_sms, cfg["WAVES"], cfg.get("MIN_TILES", 1))
@@ -538,7 +542,9 @@ class _PlanV2:
                  "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel")
 
 
-_PLANS_V2: dict = {}  # plan key (v1's _plan_key) -> _PlanV2; bounded by v1's remember_plan
+# plan key (v1's _plan_key) -> _PlanV2, or v1's plan for a key that goes to v1; bounded by
+# v1's remember_plan
+_PLANS_V2: dict = {}
 
 
 def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) -> _PlanV2:
@@ -587,7 +593,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
     n_hb = triton.cdiv(H, bh)
     n_tiles = max(1, triton.cdiv(topk, bn))
-    p.num_splits = v2_num_splits(T, H, topk, major, num_sms, config, num_splits)
+    p.num_splits = _splits_for(cfg, T, n_hb, n_tiles, num_sms, num_splits)
     tiles_per_split = triton.cdiv(n_tiles, p.num_splits)
     split = p.num_splits > 1
     ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
@@ -699,14 +705,22 @@ def sparse_mla_decode_v2(
         key = _v1._plan_key(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits)
         if key is not None:
             p = _PLANS_V2.get(key)
-            if p is not None:
+            if type(p) is _PlanV2:
                 return _launch_v2(p, q, kv_cache, indices, out, lse)
+            if p is not None:  # a key v2 does not take: v1's plan, launched as v1 launches it
+                return _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
     reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache)
     if reason is not None:
         if not fallback:
             raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")
-        return _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
-                                     num_splits, validate=validate, config=config)
+        res = _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
+                                    num_splits, validate=validate, config=config)
+        # v1 planned this key (the same _plan_key): later calls skip the support check and the
+        # second key v1 would compute
+        v1_plan = _v1._PLANS.get(key) if key is not None else None
+        if v1_plan is not None:
+            _v1.remember_plan(_PLANS_V2, key, v1_plan)
+        return res
     p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config)
     if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")

@@ -586,3 +586,25 @@ def test_emulated_v2_plan_cache(emulated_v2, monkeypatch, seed):
     assert len(made) == 5
     with pytest.raises(ValueError, match="indices contain slots"):
         v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False, validate=True)
+
+
+@pytest.mark.skipif(GPU, reason="CPU: the v1 fallback in Triton's interpreter")
+def test_v1_fallback_plans_once_per_key(monkeypatch, seed):
+    """A call v2 does not take (here: a CPU tensor) goes to v1 with the same result, and from the
+    second call of a key on it is v1's cached plan: no support check, one plan key per call."""
+    reasons, keys = [], []
+    real_reason, real_key = v2.v2_unsupported_reason, v1._plan_key
+    monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: reasons.append(1) or real_reason(*a, **k))
+    monkeypatch.setattr(v1, "_plan_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    monkeypatch.setattr(v2, "_PLANS_V2", {})
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, H, T, topk = 4, 16, 4, 2, 40
+    cache = _cpu_cache(nb, bs, torch.float16, gen)
+    q = torch.randn((T, H, 576), generator=gen).to(torch.float16)
+    idx = torch.randint(-3, nb * bs + 3, (T, topk), generator=gen, dtype=torch.int32)
+    o1, l1 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
+    assert len(reasons) == 1 and len(keys) == 2  # v2's key, then v1's own
+    o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
+    assert len(reasons) == 1 and len(keys) == 3
+    ro, rl = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla")
+    assert torch.equal(o1, ro) and torch.equal(o2, ro) and torch.equal(l1, rl) and torch.equal(l2, rl)
