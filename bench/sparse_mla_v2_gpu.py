@@ -310,7 +310,8 @@ def main(argv=None) -> int:
                 continue
             for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 4},
                           {"QK_ACCS": 1}, {"CTAS_PER_SM": 1}, {"DQ_VEC": 8}, {"S_SWIZZLE": True},
-                          {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}, {"RING": 1, "MAXNREG": 168}):
+                          {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}, {"RING": 1, "MAXNREG": 168},
+                          {"Q_REGS": 2}):
                 cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
                 for H, T in ((8, 1), (16, 4), (3, 37)):
                     q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
@@ -382,6 +383,9 @@ def main(argv=None) -> int:
                             # registers: 3 CTAs per SM on SM90, 2 on SM120's 100 KB)
                             variants.append((dict(base, RING=1), None))
                             variants.append((dict(base, RING=1, BLOCK_N=16, MAXNREG=168, CTAS_PER_SM=3), None))
+                            # q's first two K-chunks held in registers (all nine spill)
+                            variants.append((dict(base, Q_REGS=2), None))
+                            variants.append((dict(base, Q_REGS=2, DQ_VEC=8, S_SWIZZLE=True), None))
                             # the older policy (WAVES x SMs programs) and forced split counts
                             variants += [(dict(base, WAVES=w, MIN_TILES=mt), None)
                                          for w, mt in ((1, 1), (2, 1), (4, 1))]
@@ -395,7 +399,8 @@ def main(argv=None) -> int:
                                           else f"_S{ns}" if ns else f"_slots{c2['CTAS_PER_SM']}")
                                 key = (f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}"
                                        f"_DQ{c2.get('DQ_VEC', 16)}_SW{int(c2.get('S_SWIZZLE', False))}"
-                                       f"_R{c2.get('RING', 2)}_NR{c2.get('MAXNREG', v2.MAXNREG)}{policy}")
+                                       f"_R{c2.get('RING', 2)}_NR{c2.get('MAXNREG', v2.MAXNREG)}"
+                                       f"{'_QR%d' % c2['Q_REGS'] if c2.get('Q_REGS') else ''}{policy}")
                                 sweep[key] = time_graph([(lambda s=s, c2=c2, ns=ns: v2.sparse_mla_decode_v2(
                                     s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2,
                                     num_splits=ns, fallback=False)) for s in sets])

@@ -135,12 +135,23 @@ if HAS_GLUON:
         cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
 
     @gluon.jit
+    def _q_op(q_smem, q_ops, j: gl.constexpr, Q_REGS: gl.constexpr, OP_A: gl.constexpr):
+        """q's A operand of K-chunk ``j`` (0-7: latent columns 64j.., 8: the rope): from the
+        registers loaded before the loop (Q_REGS) or re-read from shared memory."""
+        if j < Q_REGS:
+            return q_ops[j]
+        elif j == 8:
+            return q_smem.load(OP_A)
+        else:
+            return q_smem.slice(j * 64, 64, dim=1).load(OP_A)
+
+    @gluon.jit
     def _step(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
               qk_scale_log2, has_next,
-              lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+              lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
               nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr, RING: gl.constexpr):
+              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr, RING: gl.constexpr, Q_REGS: gl.constexpr):
         """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
         the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
         O += P V. Returns the loop state."""
@@ -203,24 +214,24 @@ if HAS_GLUON:
             s2 = s0
             s3 = s0
         for c in gl.static_range(2):
-            s0 = mma_v2(q_smem.slice(0 * GROUP + c * QC, QC, dim=1).load(OP_A),
+            s0 = mma_v2(_q_op(q_smem, q_ops, 0 * 2 + c, Q_REGS, OP_A),
                         k0.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s0)
         if QK_ACCS == 1:
             s1 = s0
         for c in gl.static_range(2):
-            s1 = mma_v2(q_smem.slice(1 * GROUP + c * QC, QC, dim=1).load(OP_A),
+            s1 = mma_v2(_q_op(q_smem, q_ops, 1 * 2 + c, Q_REGS, OP_A),
                         k1.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s1)
         if QK_ACCS == 1:
             s2 = s1
         for c in gl.static_range(2):
-            s2 = mma_v2(q_smem.slice(2 * GROUP + c * QC, QC, dim=1).load(OP_A),
+            s2 = mma_v2(_q_op(q_smem, q_ops, 2 * 2 + c, Q_REGS, OP_A),
                         k2.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s2)
         if QK_ACCS == 1:
             s3 = s2
         for c in gl.static_range(2):
-            s3 = mma_v2(q_smem.slice(3 * GROUP + c * QC, QC, dim=1).load(OP_A),
+            s3 = mma_v2(_q_op(q_smem, q_ops, 3 * 2 + c, Q_REGS, OP_A),
                         k3.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s3)
-        s3 = mma_v2(qr_smem.load(OP_A), rp_c.permute((1, 0)).load(OP_B), s3)
+        s3 = mma_v2(_q_op(qr_smem, q_ops, 8, Q_REGS, OP_A), rp_c.permute((1, 0)).load(OP_B), s3)
         if QK_ACCS == 4:
             s = (s0 + s1) + (s2 + s3)
         else:
@@ -270,6 +281,7 @@ if HAS_GLUON:
         DQ_VEC: gl.constexpr = 16,
         S_SWIZZLE: gl.constexpr = False,
         RING: gl.constexpr = 2,
+        Q_REGS: gl.constexpr = 0,
     ):
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
@@ -357,6 +369,20 @@ if HAS_GLUON:
         vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, COL_M)
 
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        # Q_REGS = n: q's first n of nine A operands (64-column K-chunks; 8 = the rope) loaded once
+        # and held in registers across the loop instead of re-read by every warp per tile (q is 36
+        # of the 54 ldmatrix per warp and tile, ~72 KB of shared traffic at BLOCK_N 32: Nsight
+        # Compute, H100). Two fit beside the rest at 252 registers (sm_90); three or more spill.
+        # Operands past n are never used, so their loads are dead code.
+        if Q_REGS:
+            _cta_barrier()  # q_smem written by every warp
+            q_ops = (q_smem.slice(0, 64, dim=1).load(OP_A), q_smem.slice(64, 64, dim=1).load(OP_A),
+                     q_smem.slice(128, 64, dim=1).load(OP_A), q_smem.slice(192, 64, dim=1).load(OP_A),
+                     q_smem.slice(256, 64, dim=1).load(OP_A), q_smem.slice(320, 64, dim=1).load(OP_A),
+                     q_smem.slice(384, 64, dim=1).load(OP_A), q_smem.slice(448, 64, dim=1).load(OP_A),
+                     qr_smem.load(OP_A))
+        else:
+            q_ops = (0, )
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, OP_A))
         l_acc = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=OP_A)
         acc0 = gl.full([BLOCK_H, GROUP], 0.0, gl.float32, layout=MMA)
@@ -370,16 +396,16 @@ if HAS_GLUON:
             nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
                 kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                 qk_scale_log2, i + 1 < n_t,
-                lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+                lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING)
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS)
             if i + 1 < n_t:
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
                     kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 2 < n_t,
-                    lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, s_smem,
+                    lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS)
         cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
 
         # ---- epilogue -------------------------------------------------------------------------
@@ -605,7 +631,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
               p.num_splits, tiles_per_split)
     consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
-                  RING=cfg.get("RING", 2))
+                  RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
@@ -745,13 +771,15 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             for t in (1, 4096):
                 c = pick_config_v2(h, cc_major, t)
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
-                      bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG))] = c
+                      bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
+                      int(c.get("Q_REGS", 0)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
         for c in configs:
             bh, bn, nw, qa = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1)
             dq, sw, ring = c.get("DQ_VEC", 16), bool(c.get("S_SWIZZLE", False)), c.get("RING", 2)
+            qreg = int(c.get("Q_REGS", 0))
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -766,16 +794,17 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "num_splits": "i32", "tiles_per_split": "i32",
                         "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
                         "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
-                        "S_SWIZZLE": "constexpr", "RING": "constexpr",
+                        "S_SWIZZLE": "constexpr", "RING": "constexpr", "Q_REGS": "constexpr",
                     }
                     specs.append({
                         "name": (f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},"
-                                 f"dq={dq},sw={int(sw)},ring={ring},split={int(split)}]"),
+                                 f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}]"),
                         "fn": _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                                        "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
-                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring},
+                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring,
+                                       "Q_REGS": qreg},
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
                                             "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],

@@ -306,7 +306,7 @@ def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
     idx = torch.randint(-20, nb * bs + 20, (T, topk), generator=gen, dtype=torch.int32)
     ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
     for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"QK_ACCS": 1}, {"QK_ACCS": 4}, {"DQ_VEC": 8},
-                  {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}):
+                  {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}, {"Q_REGS": 2}):
         out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False,
                                            config=dict(v2.TUNING_CONFIGS[cfg], **extra))
         rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
@@ -403,7 +403,7 @@ def test_gpu_v2_tuning_configs(cfg, seed):
         idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
         for extra in ({}, {"WAVES": 4, "MIN_TILES": 1}, {"WAVES": 1, "MIN_TILES": 8}, {"QK_ACCS": 1},
                       {"QK_ACCS": 4}, {"DQ_VEC": 8}, {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True},
-                      {"RING": 1}, {"RING": 1, "MAXNREG": 168}):
+                      {"RING": 1}, {"RING": 1, "MAXNREG": 168}, {"Q_REGS": 2}):
             check(q, cache, idx, config=dict(c, **extra))
 
 
