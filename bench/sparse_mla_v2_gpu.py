@@ -323,6 +323,21 @@ def main(argv=None) -> int:
                     except Exception as e:
                         failures.append(f"config {cfg} H={H} T={T} raised {type(e).__name__}: {e}")
 
+    if reason is None:  # the KEYS_M configurations against float64 (H 16: two head blocks)
+        for c in v2.KEYS_M_CONFIGS:
+            if v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True) > optin:
+                continue
+            for H, T in ((8, 1), (16, 4), (3, 37), (8, 64)):
+                q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
+                idx = torch.randint(-50, 256 * BS + 50, (T, TOPK), generator=gen0, device=dev, dtype=torch.int32)
+                out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+                lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+                try:
+                    check_call(f"config {c} H={H} T={T}", v2_call(dict(v2.pick_config_v2(H, cc, T), **c)), q, small, idx,
+                               out, lse, failures, checks)
+                except Exception as e:
+                    failures.append(f"config {c} H={H} T={T} raised {type(e).__name__}: {e}")
+
     pool = make_pool(POOL_TOKENS, dev)
     nb = pool.shape[0]
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -386,18 +401,23 @@ def main(argv=None) -> int:
                             # q's first two K-chunks held in registers (all nine spill)
                             variants.append((dict(base, Q_REGS=2), None))
                             variants.append((dict(base, Q_REGS=2, DQ_VEC=8, S_SWIZZLE=True), None))
+                            # keys as the MMA's M (q^T in registers), policy splits and forced ones
+                            variants += [(dict(base, **c), None) for c in v2.KEYS_M_CONFIGS]
+                            variants += [(dict(base, **v2.KEYS_M_CONFIGS[0]), ns) for ns in (2, 4, 8, 16, 32)
+                                         if ns * T <= 8192]
                             # the older policy (WAVES x SMs programs) and forced split counts
                             variants += [(dict(base, WAVES=w, MIN_TILES=mt), None)
                                          for w, mt in ((1, 1), (2, 1), (4, 1))]
                             variants += [(dict(base), ns) for ns in (1, 2, 4, 8, 16, 32, 64)
                                          if ns * T <= 8192]
                             for c2, ns in variants:
-                                sb = v2.shared_bytes_v2(c2["BLOCK_N"], ring=c2.get("RING", 2))
+                                sb = v2.shared_bytes_v2(c2["BLOCK_N"], ring=c2.get("RING", 2),
+                                                        keys_m=bool(c2.get("KEYS_M")))
                                 if sb > optin or (args.sm120_proxy and sb > v2.SM120_SHARED_LIMIT):
                                     continue
                                 policy = (f"_W{c2['WAVES']}_MT{c2['MIN_TILES']}" if "WAVES" in c2
                                           else f"_S{ns}" if ns else f"_slots{c2['CTAS_PER_SM']}")
-                                key = (f"BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}"
+                                key = (f"{'KM_' if c2.get('KEYS_M') else ''}BN{c2['BLOCK_N']}_w{c2['NUM_WARPS']}_QA{c2['QK_ACCS']}"
                                        f"_DQ{c2.get('DQ_VEC', 16)}_SW{int(c2.get('S_SWIZZLE', False))}"
                                        f"_R{c2.get('RING', 2)}_NR{c2.get('MAXNREG', v2.MAXNREG)}"
                                        f"{'_QR%d' % c2['Q_REGS'] if c2.get('Q_REGS') else ''}{policy}")

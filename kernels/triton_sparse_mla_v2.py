@@ -434,6 +434,248 @@ if HAS_GLUON:
             gl.store(o_row + (3 * GROUP + offs_d)[None, :] * stride_od, (acc3 * inv[:, None]).to(OT), mask=hmask[:, None])
             gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
 
+    # ----------------------------------------------------------------------------------------
+    # Keys as the MMA's M (KEYS_M): S^T = K q^T and O^T += V^T P^T, for H <= 8
+    # ----------------------------------------------------------------------------------------
+    # The kernel above pads 8 heads to the 16 rows of mma.sync's M and splits the keys over the
+    # warps, so every warp re-reads all of q from shared memory per tile and half of every MMA is
+    # padding. Here the keys (16 per warp) and the latent dims are the M side and the 8 heads the
+    # N side (mma.sync's n8): q^T is the B operand of S^T, held in registers for the whole loop
+    # (72 registers); each warp reads only its own keys' rows of the dequantized tile for S^T; P^T
+    # goes through a 2 KB shared tile into the B-operand layout of O^T += V^T P^T, whose A operand
+    # is the same dequantized tile read transposed. Half the mma.sync instructions and ~40% less
+    # shared-memory traffic per key than the kernel above (docs/notes/sparse_mla_v2.md).
+
+    @gluon.jit
+    def _step_km(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                 qk_scale_log2, has_next,
+                 lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, s_smem, qt,
+                 nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
+                 DQ_VEC: gl.constexpr, RING: gl.constexpr):
+        """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state."""
+        GROUP: gl.constexpr = 128
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)  # along the keys of S^T
+        COL_M: gl.constexpr = gl.SliceLayout(0, MMA)  # along the heads
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 // (GROUP // DQ_VEC), GROUP // DQ_VEC],
+                                              [NUM_WARPS, 1], [1, 0])
+
+        nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
+        nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_SC))
+        nn_rp = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_RP))
+        vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, ROW_M)
+
+        cp.wait_group(0)
+        _cta_barrier()
+        if RING == 2:
+            if has_next:
+                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            cp.commit_group()
+
+        raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(0, 1, dim=1).load(L_DQ)
+        k0.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(1, 1, dim=1).load(L_DQ)
+        k1.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(2, 1, dim=1).load(L_DQ)
+        k2.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
+        k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        _cta_barrier()
+
+        # S^T = K q^T: each warp's 16 keys against the 8 heads, one accumulator per 128-group
+        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s0 = mma_v2(k0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
+        s0 = mma_v2(k0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
+        s1 = mma_v2(k1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
+        s1 = mma_v2(k1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
+        s2 = mma_v2(k2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
+        s2 = mma_v2(k2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
+        s3 = mma_v2(k3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
+        s3 = mma_v2(k3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
+        s3 = mma_v2(rp_c.load(OP_A), qt[8], s3)
+        s = (s0 + s1) + (s2 + s3)
+
+        # softmax over the keys: S^T through shared memory into the B-operand layout of the PV
+        # MMA (every warp holds all keys of the tile for its heads column, split over a quad)
+        valid = (vs >= 0) & (vs < num_slots)
+        s_smem.store(gl.where(valid[:, None], s * qk_scale_log2, float("-inf")))
+        _cta_barrier()
+        if RING == 1:  # every warp's S^T (which read the rope from the stage) is done
+            if has_next:
+                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            cp.commit_group()
+        s = s_smem.load(OP_B)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        pb = p.to(DT)
+        alpha_o = gl.convert_layout(alpha, COL_M)[None, :]
+        acc0 = mma_v2(k0.permute((1, 0)).load(OP_A), pb, acc0 * alpha_o)
+        acc1 = mma_v2(k1.permute((1, 0)).load(OP_A), pb, acc1 * alpha_o)
+        acc2 = mma_v2(k2.permute((1, 0)).load(OP_A), pb, acc2 * alpha_o)
+        acc3 = mma_v2(k3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
+        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
+
+    @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
+                                  "tiles_per_split"])
+    def _sparse_mla_v2_km_kernel(
+        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        qk_scale_log2,
+        num_heads, topk, num_slots, block_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks,
+        stride_it, stride_ik,
+        stride_ot, stride_oh, stride_od,
+        stride_lt, stride_lh,
+        num_splits, tiles_per_split,
+        SPLIT: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        QK_ACCS: gl.constexpr = 4,
+        DQ_VEC: gl.constexpr = 16,
+        S_SWIZZLE: gl.constexpr = False,
+        RING: gl.constexpr = 1,
+        Q_REGS: gl.constexpr = 0,
+    ):
+        """The KEYS_M kernel: the same parameters as ``_sparse_mla_v2_kernel`` (one plan and launch
+        path; QK_ACCS / S_SWIZZLE / Q_REGS are not used: 4 accumulators, q^T always in registers),
+        BLOCK_H 8 (mma.sync's N), BLOCK_N = 16 x NUM_WARPS."""
+        GROUP: gl.constexpr = 128
+        DV: gl.constexpr = 512
+        DT: gl.constexpr = q_ptr.dtype.element_ty
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL_M: gl.constexpr = gl.SliceLayout(0, MMA)
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+        sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+        rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        if RING == 2:
+            lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+            sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+            rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        else:
+            lat_b = lat_a
+            sc_b = sc_a
+            rp_b = rp_a
+        k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_H], SH_PLAIN)
+
+        n_hb = gl.cdiv(num_heads, BLOCK_H)
+        pid = gl.program_id(0)
+        hb = pid % n_hb
+        rest = pid // n_hb
+        sp = rest % num_splits
+        t = rest // num_splits
+
+        # q^T straight from global memory into the B-operand registers: nine [64, BLOCK_H] chunks
+        # (eight latent, the rope), held for the whole loop
+        offs_qd = gl.arange(0, 64, layout=gl.SliceLayout(1, OP_B))
+        offs_qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, OP_B))
+        qmask = (offs_qh < num_heads)[None, :]
+        qb = q_ptr + t.to(gl.int64) * stride_qt + offs_qh[None, :] * stride_qh + offs_qd[:, None] * stride_qd
+        qt = (gl.load(qb + 0 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 64 * stride_qd, mask=qmask, other=0.0),
+              gl.load(qb + 128 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 192 * stride_qd, mask=qmask, other=0.0),
+              gl.load(qb + 256 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 320 * stride_qd, mask=qmask, other=0.0),
+              gl.load(qb + 384 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 448 * stride_qd, mask=qmask, other=0.0),
+              gl.load(qb + 512 * stride_qd, mask=qmask, other=0.0))
+
+        n_tiles = gl.maximum(gl.cdiv(topk, BLOCK_N), 1)
+        tile_lo = sp * tiles_per_split
+        n_t = gl.minimum(tiles_per_split, n_tiles - tile_lo)
+        lim = gl.minimum((tile_lo + tiles_per_split) * BLOCK_N, topk)
+        idx_row = idx_ptr + t.to(gl.int64) * stride_it
+        S_LAT: gl.constexpr = gl.SliceLayout(1, L_LAT)
+        S_SC: gl.constexpr = gl.SliceLayout(1, L_SC)
+        S_RP: gl.constexpr = gl.SliceLayout(1, L_RP)
+        _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
+                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
+                    num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+        cp.commit_group()
+        nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
+        nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
+        nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+        vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
+
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(0, OP_B))
+        l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(0, OP_B))
+        acc0 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        acc1 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        acc2 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        acc3 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
+
+        for i in range(0, n_t, 2):
+            tile = tile_lo + i
+            nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
+                kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                qk_scale_log2, i + 1 < n_t,
+                lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
+            if i + 1 < n_t:
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
+                    kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
+                    qk_scale_log2, i + 2 < n_t,
+                    lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
+        cp.wait_group(0)
+
+        # ---- epilogue: O^T [dims, heads] -> out[t, h, dims] ------------------------------------
+        l_o = gl.convert_layout(l_i, COL_M)
+        m_o = gl.convert_layout(m_i, COL_M)
+        has = l_o > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
+        lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL_M)
+        hmask = offs_h < num_heads
+        offs_d = gl.arange(0, GROUP, layout=ROW_M)
+        if SPLIT:
+            prow = (t.to(gl.int64) * num_heads + offs_h) * num_splits + sp
+            po = po_ptr + prow[None, :] * DV + offs_d[:, None]
+            gl.store(po + 0 * GROUP, acc0 * inv[None, :], mask=hmask[None, :])
+            gl.store(po + 1 * GROUP, acc1 * inv[None, :], mask=hmask[None, :])
+            gl.store(po + 2 * GROUP, acc2 * inv[None, :], mask=hmask[None, :])
+            gl.store(po + 3 * GROUP, acc3 * inv[None, :], mask=hmask[None, :])
+            gl.store(plse_ptr + prow, lse, mask=hmask)
+        else:
+            OT: gl.constexpr = out_ptr.dtype.element_ty
+            o_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h[None, :] * stride_oh
+            gl.store(o_row + (0 * GROUP + offs_d)[:, None] * stride_od, (acc0 * inv[None, :]).to(OT), mask=hmask[None, :])
+            gl.store(o_row + (1 * GROUP + offs_d)[:, None] * stride_od, (acc1 * inv[None, :]).to(OT), mask=hmask[None, :])
+            gl.store(o_row + (2 * GROUP + offs_d)[:, None] * stride_od, (acc2 * inv[None, :]).to(OT), mask=hmask[None, :])
+            gl.store(o_row + (3 * GROUP + offs_d)[:, None] * stride_od, (acc3 * inv[None, :]).to(OT), mask=hmask[None, :])
+            gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
+
 
 # --------------------------------------------------------------------------------------------
 # Dispatch (shapes and device only: CUDA-graph safe)
@@ -481,9 +723,23 @@ TUNING_CONFIGS = (
 )
 
 
-def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2) -> int:
+# The KEYS_M kernel's configurations (BLOCK_H 8 = mma.sync's N, BLOCK_N = 16 keys per warp) with
+# their CTA slots per SM on SM90 (shared memory: 109,568 B at BLOCK_N 64 / RING 1, 151,552 B at
+# RING 2, 54,784 B at BLOCK_N 32 / RING 1, 75,776 B at RING 2). None fits two CTAs in SM120's
+# ~100 KB with four warps: SM120 keeps the kernel above.
+KEYS_M_CONFIGS = (
+    {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
+    {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 2, "CTAS_PER_SM": 1},
+    {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "RING": 1, "CTAS_PER_SM": 4},
+    {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "RING": 2, "CTAS_PER_SM": 3},
+)
+
+
+def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2, keys_m: bool = False) -> int:
     """Shared memory the kernel allocates explicitly: the ring ``ring`` x (512 + 16 + 64*elem) B per
-    row, the 16-bit K tile, q and the fp32 S tile."""
+    row, the 16-bit K tile, q and the fp32 S tile (KEYS_M: no q tile, q^T lives in registers)."""
+    if keys_m:
+        return ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_n * 8 * 4
     return (ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
             + block_h * block_n * 4)
 
@@ -565,7 +821,7 @@ class _PlanV2:
     """A validated, planned v2 call: what a later call with the same key launches directly."""
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
-                 "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel")
+                 "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
 
 
 # plan key (v1's _plan_key) -> _PlanV2, or v1's plan for a key that goes to v1; bounded by
@@ -617,6 +873,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
     if config:
         cfg.update(config)
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
+    if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
+        raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
     n_hb = triton.cdiv(H, bh)
     n_tiles = max(1, triton.cdiv(topk, bn))
     p.num_splits = _splits_for(cfg, T, n_hb, n_tiles, num_sms, num_splits)
@@ -634,6 +892,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
+    p.keys_m = bool(cfg.get("KEYS_M", False))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
     block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
     p.merge_consts = (block_s, 128)
@@ -687,7 +946,8 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         plse = torch.empty((T, H, p.num_splits), dtype=torch.float32, device=q.device)
     else:
         po, plse = out, lse  # unused
-    k = _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
+    kern = _sparse_mla_v2_km_kernel if p.keys_m else _sparse_mla_v2_kernel
+    k = kern[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
     m = None
     if split:
         # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
@@ -772,7 +1032,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                 c = pick_config_v2(h, cc_major, t)
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
-                      int(c.get("Q_REGS", 0)))] = c
+                      int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
@@ -797,9 +1057,10 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "S_SWIZZLE": "constexpr", "RING": "constexpr", "Q_REGS": "constexpr",
                     }
                     specs.append({
-                        "name": (f"sparse_mla_v2[{str(qdt).split('.')[-1]},BH={bh},BN={bn},w={nw},qa={qa},"
+                        "name": (f"sparse_mla_v2{'_km' if c.get('KEYS_M') else ''}[{str(qdt).split('.')[-1]},"
+                                 f"BH={bh},BN={bn},w={nw},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}]"),
-                        "fn": _sparse_mla_v2_kernel,
+                        "fn": _sparse_mla_v2_km_kernel if c.get("KEYS_M") else _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                                        "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,

@@ -122,6 +122,37 @@ print(json.dumps(rows))
         assert row["shared"] == v2.shared_bytes_v2(bn) <= 232448, row
 
 
+@pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
+def test_v2_keys_m_configs_compile_for_sm90():
+    """The KEYS_M kernel's configurations compile for sm_90 without spills (q^T's 72 registers
+    included) and use the shared memory accounted for (two CTAs per SM at BLOCK_N 64 / RING 1)."""
+    code = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
+import sm120_check
+from kernels import triton_sparse_mla_v2 as m
+rows = []
+for c in m.KEYS_M_CONFIGS:
+    for s in m.compile_specs(9, [dict(m.pick_config_v2(8, 9, 64), **c)]):
+        if s["name"].startswith("sparse_mla_v2_km[bfloat16"):
+            assert s["fn"] is m._sparse_mla_v2_km_kernel
+            r = sm120_check.compile_spec(s, 90)
+            r.update(name=s["name"], ring=c["RING"], bn=c["BLOCK_N"])
+            rows.append(r)
+print(json.dumps(rows))
+'''
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(v2.KEYS_M_CONFIGS)
+    for row in rows:
+        assert row["stack"] == 0 and row["local"] == 0, row
+        assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True), row
+    assert v2.shared_bytes_v2(64, ring=1, keys_m=True) * 2 <= 232448  # two CTAs per SM on SM90
+
+
 def test_v2_specs_cover_every_dispatch_config():
     """The spec list is generated from the dispatch: every config pick_config_v2 can return for
     any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
@@ -132,9 +163,10 @@ def test_v2_specs_cover_every_dispatch_config():
                 c = v2.pick_config_v2(h, cc, t)
                 for dt in ("bfloat16", "float16"):
                     for split in (0, 1):
-                        n = (f"sparse_mla_v2[{dt},BH={c['BLOCK_H']},BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
+                        n = (f"sparse_mla_v2{'_km' if c.get('KEYS_M') else ''}[{dt},BH={c['BLOCK_H']},"
+                             f"BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
                              f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
-                             f"ring={c.get('RING', 2)},split={split}]")
+                             f"ring={c.get('RING', 2)},qreg={c.get('Q_REGS', 0)},split={split}]")
                         assert n in names, n
                 assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
 
@@ -230,7 +262,9 @@ def emulated_v2(monkeypatch):
     from tests.kernels.gluon_emulator import EmulatedLaunch
 
     launch = EmulatedLaunch(v2, "_sparse_mla_v2_kernel")
+    launch.km = EmulatedLaunch(v2, "_sparse_mla_v2_km_kernel")  # the KEYS_M kernel
     monkeypatch.setattr(v2, "_sparse_mla_v2_kernel", launch)
+    monkeypatch.setattr(v2, "_sparse_mla_v2_km_kernel", launch.km)
     monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(v2, "_device_props", lambda device: (12, 0, 8))
     monkeypatch.setattr(v2, "_PLANS_V2", {})  # plans made here launch the emulated kernel only
@@ -293,6 +327,44 @@ def test_emulated_v2_many_tiles(emulated_v2, seed):
         assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
     out, lse = v2.sparse_mla_decode_v2(q, cache, idx[:, :0], SCALE, "fp8_ds_mla", fallback=False)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("ring,warps", [(1, 4), (2, 4), (1, 2)])
+def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
+    """The KEYS_M kernel (keys as the MMA's M, q^T in registers) against float64: H 1 / 5 / 8 (one
+    and two head blocks at H 8 + 3 = 11), every index convention of the conventions test, splits
+    with odd and even tile counts, strided q / indices / out / lse, one and two ring stages."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    cache = _cpu_cache(nb, bs, torch.float16, gen)
+    cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring)
+    for H in (1, 5, 8, 11):
+        big = torch.randn((T, H + 2, 600), generator=gen).to(torch.float16)
+        q = big[:, 1:1 + H, 10:10 + 576]
+        ib = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)
+        idx = ib[:, ::2]
+        idx[1] = -1
+        idx[2, :160] = 17
+        idx[3, :5] = nb * bs + 3
+        idx[3, 5:9] = -7
+        idx[4, 40:] = nb * bs
+        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+        fin = torch.isfinite(rl)
+        for ns in (1, 2, 3):
+            out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1)
+            lse = torch.empty((H, T), dtype=torch.float32).t()
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=ns,
+                                    config=cfg, fallback=False)
+            assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+            assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+            assert torch.equal(torch.isfinite(lse), fin)
+            rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
+            assert rel[fin].max().item() < TOL_HEAD[torch.float16], (H, ns, rel)
+            assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[torch.float16]
+    assert emulated_v2.km.launches == 12 and emulated_v2.launches == 0
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
@@ -405,6 +477,31 @@ def test_gpu_v2_tuning_configs(cfg, seed):
                       {"QK_ACCS": 4}, {"DQ_VEC": 8}, {"S_SWIZZLE": True}, {"DQ_VEC": 8, "S_SWIZZLE": True},
                       {"RING": 1}, {"RING": 1, "MAXNREG": 168}, {"Q_REGS": 2}):
             check(q, cache, idx, config=dict(c, **extra))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_CONFIGS))))
+def test_gpu_v2_keys_m(cfg, seed):
+    """The KEYS_M kernel: H 1 / 8 / 16 (two head blocks) / 3, bf16 and fp16, split and not, edge
+    rows (empty, duplicates, out of range), a 4-d cache view."""
+    c = dict(v2.KEYS_M_CONFIGS[cfg])
+    need = v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True)
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
+    if need > optin:
+        pytest.skip(f"needs {need} B of shared memory, the device has {optin}")
+    nb, bs = 256, 64
+    for dt in (torch.bfloat16, torch.float16):
+        cache = make_cache(nb, bs, dt, "cuda")
+        for H, T in ((8, 1), (8, 37), (16, 4), (3, 5), (1, 2)):
+            q = torch.randn((T, H, 576), device="cuda").to(dt)
+            idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
+            if T >= 5:
+                idx[1] = -1
+                idx[2, :700] = 17
+                idx[4, 1000:] = nb * bs
+            for ns in (None, 1, 7):
+                check(q, cache, idx, num_splits=ns, config=c)
+        check(q, cache.unsqueeze(2), idx, config=c)
 
 
 @pytest.mark.gpu
