@@ -707,9 +707,17 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     the slot policy picks the best split count the sweep found at T = 1, 32 and 128 (64, 8, 2
     splits: 9.4, 40.1, 133.5 us on the H100) where the fixed WAVES x SMs targets were each wrong
     somewhere (WAVES 4: 153 us at T = 128; WAVES 1: 92 us at T = 64 against 74). A config with
-    ``WAVES`` (and ``MIN_TILES``) uses the older target policy instead (sweeps)."""
-    del num_heads, num_tokens
-    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4,
+    ``WAVES`` (and ``MIN_TILES``) uses the older target policy instead (sweeps).
+
+    Second H100 sweep (2026-12-06, ``bench/results/sparse_mla_v2_h100_keys_m.json``): DQ_VEC 8 took
+    2-7% less than 16 at every T for 8 and 16 heads (T = 128: 124.9 / 137.1 against 133.7 / 145.1
+    us); on SM90 with <= 8 heads the KEYS_M kernel (BLOCK_N 32, two warps, one raw stage, four CTAs
+    per SM) took 37.0 / 61.3 / 102.2 us at T = 32 / 64 / 128 against 41.4 / 73.7 / 133.7 (0.76-0.89x)
+    and lost at T = 4 (14.0 against 12.7): it runs from KEYS_M_MIN_TOKENS query rows. At 16 heads
+    (two KEYS_M head blocks) it lost everywhere (172.8 against 145.1 us at T = 128)."""
+    if cc_major == 9 and num_heads <= 8 and num_tokens >= KEYS_M_MIN_TOKENS:
+        return dict(KEYS_M_CONFIGS[2], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
+    return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4, "DQ_VEC": 8,
             "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
@@ -727,6 +735,7 @@ TUNING_CONFIGS = (
 # their CTA slots per SM on SM90 (shared memory: 109,568 B at BLOCK_N 64 / RING 1, 151,552 B at
 # RING 2, 54,784 B at BLOCK_N 32 / RING 1, 75,776 B at RING 2). None fits two CTAs in SM120's
 # ~100 KB with four warps: SM120 keeps the kernel above.
+KEYS_M_MIN_TOKENS = 32  # measured: KEYS_M won at T = 32 / 64 / 128, lost at T = 4 (T in 5..31 not measured)
 KEYS_M_CONFIGS = (
     {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
     {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 2, "CTAS_PER_SM": 1},

@@ -157,6 +157,9 @@ def test_v2_specs_cover_every_dispatch_config():
     """The spec list is generated from the dispatch: every config pick_config_v2 can return for
     any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
     names = {s["name"] for s in v2.SM120_COMPILE_SPECS()}
+    # SM90 may pick a KEYS_M config: compiled for sm_90 by test_v2_keys_m_configs_compile_for_sm90
+    names |= {s["name"] for s in v2.compile_specs(9) if s["name"].startswith("sparse_mla_v2_km[")}
+    km = [dict(c) for c in v2.KEYS_M_CONFIGS]
     for cc in (8, 9, 12):
         for h in range(1, 17):
             for t in (1, 2, 64, 4096):
@@ -168,7 +171,10 @@ def test_v2_specs_cover_every_dispatch_config():
                              f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
                              f"ring={c.get('RING', 2)},qreg={c.get('Q_REGS', 0)},split={split}]")
                         assert n in names, n
-                assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
+                if c.get("KEYS_M"):
+                    assert cc == 9 and {k: c[k] for k in km[0]} in km, c
+                else:
+                    assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
 
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
