@@ -861,12 +861,16 @@ def sparse_mla_decode_reference(
     kv_format: str,
     k_scale: torch.Tensor | float | None = None,
     chunk: int = 16,
+    round_kv_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 reference of :func:`sparse_mla_decode` (same arguments; returns float64 out, lse).
 
     Gathers the selected rows, dequantizes them exactly (e4m3 x fp32 scale, 16-bit rope), and
     computes the softmax in float64. Negative and out-of-range indices contribute nothing;
     duplicates count once per occurrence; a row with no valid index gives zeros and -inf.
+    ``round_kv_to`` (e.g. q's dtype) rounds the dequantized rows to that dtype first, as every
+    kernel that feeds them to 16-bit tensor cores does (this one and FlashMLA alike): the rest of
+    the computation stays float64, so a kernel's distance to it is its own arithmetic's.
     """
     fmt = _kvf.resolve_kv_format(kv_format, q.dtype)
     kv = _kvf.check_kv_cache(kv_cache, fmt, q.dtype, kv_format)
@@ -882,6 +886,8 @@ def sparse_mla_decode_reference(
         valid = (idx >= 0) & (idx < nb * bs)
         rows = flat[torch.where(valid, idx, 0)]  # [c, topk, W]
         k = _kvf.dequantize_rows(rows, fmt, k_scale)  # [c, topk, 576] float64
+        if round_kv_to is not None:
+            k = k.to(round_kv_to).to(torch.float64)
         qq = q[t0:t1].to(torch.float64)
         s = torch.einsum("chd,ckd->chk", qq, k) * float(softmax_scale)
         s = s.masked_fill(~valid[:, None, :], float("-inf"))

@@ -424,7 +424,13 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
     assert torch.all(lse[empty] == float("-inf")) and torch.all(out[empty] == 0)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
     fin = torch.isfinite(rl)
-    head_err = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30), torch.zeros_like(rl))
+    # per (row, head): against the reference whose dequantized rows are rounded to q's dtype, as
+    # the kernel's tensor-core operands are. Against exact float64, rounding K alone moves a head
+    # with peaked logits by up to ~3e-2 (seen on the H100 with v1 and v2 alike: 3.05e-2 at H 16,
+    # T 128, random data; 2.64e-2 here at H 5, T 64): the kernel's own error is what this bounds.
+    r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla", round_kv_to=q.dtype)
+    head_err = torch.where(fin, (out.double() - r16).norm(dim=-1) / r16.norm(dim=-1).clamp_min(1e-30),
+                           torch.zeros_like(rl))
     worst = head_err.max().item() if head_err.numel() else 0.0
     assert worst < TOL_HEAD[q.dtype], f"per-head relative error {worst:.2e} at {divmod(int(head_err.argmax()), H)}"
     if fin.any():
