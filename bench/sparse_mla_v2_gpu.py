@@ -318,7 +318,7 @@ def main(argv=None) -> int:
                           {"QK_ACCS": 1}, {"CTAS_PER_SM": 1}, {"DQ_VEC": 8}, {"S_SWIZZLE": True},
                           {"DQ_VEC": 8, "S_SWIZZLE": True}, {"RING": 1}, {"RING": 1, "MAXNREG": 168},
                           {"Q_REGS": 2}):
-                cfg = dict(v2.pick_config_v2(8, cc, 4), **c, **extra)
+                cfg = dict(v2.v2_kernel_config(cc), **c, **extra)
                 for H, T in ((8, 1), (16, 4), (3, 37)):
                     q = torch.randn((T, H, 576), generator=gen0, device=dev).to(torch.bfloat16)
                     idx = torch.randint(-50, 256 * BS + 50, (T, TOPK), generator=gen0, device=dev, dtype=torch.int32)
@@ -389,7 +389,9 @@ def main(argv=None) -> int:
                             # tuning data: forced tile configs and split policies next to the dispatch
                             optin = getattr(props, "shared_memory_per_block_optin", 101376)
                             sweep = {}
-                            base = dict(v2.pick_config_v2(H, cc, T))
+                            # variants of the 16-head-block kernel from its defaults (the
+                            # dispatch's own choice, KEYS_M or not, is v2_us above)
+                            base = dict(v2.v2_kernel_config(cc))
                             # (config, forced split count or None); CTAS_PER_SM of the tile variants
                             # from their shared memory and registers on SM90 (BN16 w4: 3, w8: 1)
                             variants = [(dict(base, **c, CTAS_PER_SM=3 if c["BLOCK_N"] == 16 else 1), None)

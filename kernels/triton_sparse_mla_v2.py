@@ -717,8 +717,25 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     (two KEYS_M head blocks) it lost everywhere (172.8 against 145.1 us at T = 128)."""
     if cc_major == 9 and num_heads <= 8 and num_tokens >= KEYS_M_MIN_TOKENS:
         return dict(KEYS_M_CONFIGS[2], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
+    return v2_kernel_config(cc_major)
+
+
+def v2_kernel_config(cc_major: int) -> dict:
+    """The default configuration of the 16-head-block kernel (``_sparse_mla_v2_kernel``)."""
     return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4, "DQ_VEC": 8,
             "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
+
+
+def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None) -> dict:
+    """The dispatch's configuration with ``config``'s keys on top. An override that does not set
+    ``KEYS_M`` tunes the 16-head-block kernel: where the dispatch picked KEYS_M, it applies to that
+    kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles)."""
+    cfg = dict(pick_config_v2(num_heads, cc_major, num_tokens))
+    if config:
+        if cfg.get("KEYS_M") and not config.get("KEYS_M"):
+            cfg = v2_kernel_config(cc_major)
+        cfg.update(config)
+    return cfg
 
 
 # Tile configurations the benchmark and the GPU tests also run (config= overrides). All compile
@@ -808,9 +825,7 @@ def _pick_splits(T: int, n_hb: int, n_tiles: int, num_sms: int, waves: float, mi
 def v2_num_splits(T: int, H: int, topk: int, cc_major: int, num_sms: int, config: dict | None = None,
                   num_splits: int | None = None) -> int:
     """The split count a v2 launch uses (after clamping; no empty split)."""
-    cfg = dict(pick_config_v2(H, cc_major, T))
-    if config:
-        cfg.update(config)
+    cfg = resolve_config_v2(H, cc_major, T, config)
     return _splits_for(cfg, T, triton.cdiv(H, cfg["BLOCK_H"]), max(1, triton.cdiv(topk, cfg["BLOCK_N"])),
                        num_sms, num_splits)
 
@@ -878,9 +893,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
         return p
     major, _, num_sms = _device_props(q.device)
     major = _v1._dispatch_major(major)  # GLM5_SPARSE_MLA_DISPATCH_CC: the SM120 proxy's configs
-    cfg = dict(pick_config_v2(H, major, T))
-    if config:
-        cfg.update(config)
+    cfg = resolve_config_v2(H, major, T, config)
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
     if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
         raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")

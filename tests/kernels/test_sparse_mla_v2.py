@@ -153,6 +153,26 @@ print(json.dumps(rows))
     assert v2.shared_bytes_v2(64, ring=1, keys_m=True) * 2 <= 232448  # two CTAs per SM on SM90
 
 
+def test_v2_dispatch_keys_m_rule_and_overrides():
+    """KEYS_M on SM90 for <= 8 heads from KEYS_M_MIN_TOKENS rows (measured: won at T >= 32, lost
+    at T = 4), nowhere else; a config override without KEYS_M tunes the 16-head-block kernel
+    (a GPU run failed when a BLOCK_N meant for it was put on top of the KEYS_M choice)."""
+    n = v2.KEYS_M_MIN_TOKENS
+    for h in range(1, 9):
+        c = v2.pick_config_v2(h, 9, n)
+        assert c["KEYS_M"] and c["BLOCK_H"] == 8 and c["BLOCK_N"] == 16 * c["NUM_WARPS"], c
+        assert not v2.pick_config_v2(h, 9, n - 1).get("KEYS_M")
+    for h, cc, t in ((9, 9, 4096), (16, 9, 4096), (8, 12, 4096), (8, 8, 4096), (1, 12, 64)):
+        assert not v2.pick_config_v2(h, cc, t).get("KEYS_M"), (h, cc, t)
+    c = v2.resolve_config_v2(8, 9, 64, {"BLOCK_N": 16, "NUM_WARPS": 4})
+    assert not c.get("KEYS_M") and c["BLOCK_H"] == 16 and c["BLOCK_N"] == 16
+    c = v2.resolve_config_v2(8, 9, 64, {"KEYS_M": True, "RING": 2})
+    assert c["KEYS_M"] and c["RING"] == 2 and c["BLOCK_N"] == 32
+    assert v2.resolve_config_v2(8, 9, 64) == v2.pick_config_v2(8, 9, 64)
+    # the split count the bench reports is the plan's
+    assert v2.v2_num_splits(64, 8, 2048, 9, 132) == v2._splits_for(v2.pick_config_v2(8, 9, 64), 64, 1, 64, 132, None)
+
+
 def test_v2_specs_cover_every_dispatch_config():
     """The spec list is generated from the dispatch: every config pick_config_v2 can return for
     any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
