@@ -25,7 +25,14 @@ out, fp16 q, split and non-split) on a small pool, with NaN-poisoned outputs. Ti
 ``triton.testing.do_bench`` over replays of one CUDA graph that calls the op once per input set,
 with enough sets (q, indices, out, lse) that one replay moves > 3x the L2, per call.
 
-Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``; ``OUT``
+``--sm120-occupancy`` (with ``--sm120-proxy``, on an SM90 GPU): every v1 / v2 kernel is launched
+with more dynamic shared memory than it uses, so that the SM90 GPU holds exactly as many of its
+CTAs per SM as SM120's 100 KB would (``sm120_padded_shared``: one for the 95 KB default, two for a
+46 KB config), and the sweep's split policies count SM120's CTA slots. It matches occupancy only:
+SM120's SM count, clocks, DRAM bandwidth per SM (~10 GB/s against the H100's ~25) and L2 differ,
+so it ranks configurations, it does not predict SM120 times.
+
+Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``, ``..._sm120occupancy.json`` with both; ``OUT``
 defaults to ``bench/results``) with the command,
 device, environment, every record and the failures; prints a table last; exits 1 on any
 correctness failure.
@@ -112,8 +119,57 @@ def gather_fn(pool, idx, out, cfg):
 # Timing
 # --------------------------------------------------------------------------------------------
 
+# SM120 occupancy on an SM90 GPU (--sm120-occupancy): per-SM shared memory and what one CTA may take
+SM120_SM_SHARED = 102400  # 100 KB per SM (101,376 B per block)
+SM90_SM_SHARED = 233472  # 228 KB per SM (232,448 B per block)
+CTA_RESERVED = 1024  # shared memory the driver reserves per resident CTA (both)
+_OCCUPANCY = {"on": False, "padded": {}}
+
+
+def sm120_padded_shared(shared: int) -> tuple[int, int]:
+    """(CTAs per SM the kernel gets on SM120, the dynamic shared memory per CTA that gives exactly
+    that many on SM90): what --sm120-occupancy launches with. A kernel over SM120's per-block
+    limit cannot run there: ValueError."""
+    if shared > v2.SM120_SHARED_LIMIT:
+        raise ValueError(f"{shared} B of shared memory: over SM120's {v2.SM120_SHARED_LIMIT} B per block")
+    n = SM120_SM_SHARED // (shared + CTA_RESERVED)
+    return n, max(shared, SM90_SM_SHARED // (n + 1) - CTA_RESERVED + 1)
+
+
+def _pad_compiled_kernels():
+    """Every compiled v1 / v2 kernel launches with the shared memory sm120_padded_shared gives, so
+    an SM90 GPU holds as many CTAs per SM as SM120 would (registers allow as many on both: 64K
+    per SM). The launch's dynamic shared size is the CompiledKernel's packed_metadata, which JIT
+    and direct launches both pass; the function's opt-in limit is raised with cuFuncSetAttribute."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    fns = [v2._sparse_mla_v2_kernel, v2._sparse_mla_v2_km_kernel]
+    fns += [f for f in vars(v1).values() if isinstance(f, triton.runtime.JITFunction)]
+    for fn in fns:
+        for caches in getattr(fn, "device_caches", {}).values():
+            for k in list(caches[0].values()):
+                if id(k) in _OCCUPANCY["padded"] or getattr(k, "function", None) is None:
+                    continue
+                nw, nc, shared = k.packed_metadata[:3]
+                if shared < 8192 or shared > v2.SM120_SHARED_LIMIT:  # merges; SM90-only configs (the
+                    # sweep skips those under --sm120-proxy; other shapes' kernels may sit in the cache)
+                    _OCCUPANCY["padded"][id(k)] = (k.name, shared, shared, None)
+                    continue
+                n, padded = sm120_padded_shared(shared)
+                rc = libcuda.cuFuncSetAttribute(ctypes.c_void_p(k.function), 8, ctypes.c_int(padded))
+                if rc != 0:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                    raise RuntimeError(f"cuFuncSetAttribute({k.name}, {padded}) failed: {rc}")
+                k.packed_metadata = (nw, nc, padded) + tuple(k.packed_metadata[3:])
+                _OCCUPANCY["padded"][id(k)] = (k.name, shared, padded, n)
+
+
 def time_graph(fns, rep_ms: int = 30) -> float:
     """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once."""
+    if _OCCUPANCY["on"]:  # compile first, then pad, then capture (the graph keeps the launch's size)
+        fns[0]()
+        torch.cuda.synchronize()
+        _pad_compiled_kernels()
     return common.time_graph(fns, rep_ms=rep_ms, warmup_ms=10)
 
 
@@ -261,9 +317,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,4,32,64,128")
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--sm120-occupancy", action="store_true",
+                    help="with --sm120-proxy on an SM90 GPU: launch every kernel with the shared memory that "
+                         "leaves it as many CTAs per SM as SM120's 100 KB would (timing only)")
     ap.add_argument("--sweep-all-t", action="store_true",
                     help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
     args = ap.parse_args(argv)
+    if args.sm120_occupancy and not args.sm120_proxy:
+        ap.error("--sm120-occupancy needs --sm120-proxy (SM120's configurations and split policy)")
+    _OCCUPANCY["on"] = bool(args.sm120_occupancy)
     t_start = time.time()
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -278,7 +340,7 @@ def main(argv=None) -> int:
         "device": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__,
         "DISABLE_MMA_V3": os.environ.get("DISABLE_MMA_V3"), "sm120_proxy": bool(args.sm120_proxy),
-        "v2_has_gluon": v2.HAS_GLUON,
+        "v2_has_gluon": v2.HAS_GLUON, "sm120_occupancy": bool(args.sm120_occupancy),
         "checks": [], "records": [], "failures": [],
     }
     failures, checks = result["failures"], result["checks"]
@@ -421,6 +483,8 @@ def main(argv=None) -> int:
                             for c2, ns in variants:
                                 sb = v2.shared_bytes_v2(c2["BLOCK_N"], ring=c2.get("RING", 2),
                                                         keys_m=bool(c2.get("KEYS_M")))
+                                if args.sm120_proxy and sb <= v2.SM120_SHARED_LIMIT:  # SM120's CTA slots
+                                    c2 = dict(c2, CTAS_PER_SM=sm120_padded_shared(sb)[0])
                                 if sb > optin or (args.sm120_proxy and sb > v2.SM120_SHARED_LIMIT):
                                     continue
                                 policy = (f"_W{c2['WAVES']}_MT{c2['MIN_TILES']}" if "WAVES" in c2
@@ -459,9 +523,12 @@ def main(argv=None) -> int:
                 rows.append(rec)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
 
+    if args.sm120_occupancy:  # which kernels ran padded: (name, shared, launched with, CTAs per SM on SM120)
+        result["sm120_occupancy_padding"] = sorted(set(_OCCUPANCY["padded"].values()), key=str)
     result["elapsed_s"] = round(time.time() - t_start, 1)
     result["ok"] = not failures
-    path = out_dir / ("sparse_mla_v2_h200_sm120proxy.json" if args.sm120_proxy else "sparse_mla_v2_h200.json")
+    path = out_dir / ("sparse_mla_v2_h200_sm120occupancy.json" if args.sm120_occupancy
+                      else "sparse_mla_v2_h200_sm120proxy.json" if args.sm120_proxy else "sparse_mla_v2_h200.json")
     path.write_text(json.dumps(result, indent=1, default=str))
 
     def f(x, d=1):

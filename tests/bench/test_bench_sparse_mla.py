@@ -447,3 +447,19 @@ def test_time_events_is_the_time_of_one_pass_over_all_steps(monkeypatch):
 
     assert common.time_events([step(10.0), step(30.0)]) == pytest.approx(40.0)
     assert common.time_events([step(25.0)]) == pytest.approx(25.0)
+
+
+def test_sm120_occupancy_padding_math():
+    """--sm120-occupancy: the padded shared memory leaves an SM90 SM exactly the CTAs SM120's
+    100 KB holds (1 KB reserved per CTA on both), never less than the kernel uses, and within
+    the 227 KB one CTA may take."""
+    from bench import sparse_mla_v2_gpu as V
+
+    for shared, want in ((95232, 1), (101376, 1), (54784, 1), (46336, 2), (30000, 3), (8192, 11)):
+        n, padded = V.sm120_padded_shared(shared)
+        assert n == want == V.SM120_SM_SHARED // (shared + V.CTA_RESERVED), (shared, n)
+        assert padded >= shared and padded <= 232448
+        on_sm90 = V.SM90_SM_SHARED // (padded + V.CTA_RESERVED)
+        assert on_sm90 == n, (shared, padded, on_sm90)
+    with pytest.raises(ValueError, match="SM120"):
+        V.sm120_padded_shared(109568)  # KEYS_M at BLOCK_N 64: SM90 only
