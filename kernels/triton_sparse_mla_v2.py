@@ -533,6 +533,90 @@ if HAS_GLUON:
         acc3 = mma_v2(k3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
         return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
 
+    # ----------------------------------------------------------------------------------------
+    # KEYS_M over 16-bit rows (KEYS_M16): the bf16 / fp16 cache format (1152-byte rows)
+    # ----------------------------------------------------------------------------------------
+    # The rows are the MMAs' operands as stored: cp.async copies each tile's four 128-wide latent
+    # groups and its rope straight into a two-stage ring of ldmatrix-swizzled tiles, and S^T and
+    # O^T read them there (no dequantization, two CTA barriers per tile). Also the kernel a prefill
+    # over a dequantized per-request workspace would run. Off by default (not yet timed).
+
+    @gluon.jit
+    def _issue_tile16(kv_ptr, g0, g1, g2, g3, rp, sl_g, sl_r, num_slots, block_size, stride_kb, stride_ks,
+                      DT: gl.constexpr, L_G: gl.constexpr, L_RP: gl.constexpr):
+        """cp.async one tile of 16-bit rows into one ring stage (the 4 latent groups, the rope);
+        masked rows are not read, their shared memory is zero-filled."""
+        v, r = _rows(sl_g, num_slots, block_size, stride_kb, stride_ks)
+        row = (kv_ptr + r).to(gl.pointer_type(DT))[:, None]
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, L_G))[None, :]
+        m = v[:, None]
+        cp.async_copy_global_to_shared(g0, row + (0 * 128 + c), mask=m)
+        cp.async_copy_global_to_shared(g1, row + (1 * 128 + c), mask=m)
+        cp.async_copy_global_to_shared(g2, row + (2 * 128 + c), mask=m)
+        cp.async_copy_global_to_shared(g3, row + (3 * 128 + c), mask=m)
+        v, r = _rows(sl_r, num_slots, block_size, stride_kb, stride_ks)
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_RP))
+        rrow = (kv_ptr + r).to(gl.pointer_type(DT))
+        cp.async_copy_global_to_shared(rp, rrow[:, None] + (512 + c64)[None, :], mask=v[:, None])
+
+    @gluon.jit
+    def _step_km16(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                   qk_scale_log2, has_next, c0, c1, c2, c3, crp, n0, n1, n2, n3, nrp, s_smem, qt,
+                   nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr):
+        """One tile of the KEYS_M16 kernel: wait for stage ``c*``, put the next tile in flight into
+        ``n*`` (free: every warp is past the previous tile), S^T, softmax, O^T."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL_M: gl.constexpr = gl.SliceLayout(0, MMA)
+        L_G: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+        L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+
+        nn_g = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_G))
+        nn_r = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_RP))
+        vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, ROW_M)
+
+        cp.wait_group(0)
+        _cta_barrier()
+        if has_next:
+            _issue_tile16(kv_ptr, n0, n1, n2, n3, nrp, nl_g, nl_r, num_slots, block_size, stride_kb, stride_ks,
+                          DT, L_G, L_RP)
+        cp.commit_group()
+
+        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s0 = mma_v2(c0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
+        s0 = mma_v2(c0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
+        s1 = mma_v2(c1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
+        s1 = mma_v2(c1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
+        s2 = mma_v2(c2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
+        s2 = mma_v2(c2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
+        s3 = mma_v2(c3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
+        s3 = mma_v2(c3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
+        s3 = mma_v2(crp.load(OP_A), qt[8], s3)
+        s = (s0 + s1) + (s2 + s3)
+
+        valid = (vs >= 0) & (vs < num_slots)
+        s_smem.store(gl.where(valid[:, None], s * qk_scale_log2, float("-inf")))
+        _cta_barrier()
+        s = s_smem.load(OP_B)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        pb = p.to(DT)
+        alpha_o = gl.convert_layout(alpha, COL_M)[None, :]
+        acc0 = mma_v2(c0.permute((1, 0)).load(OP_A), pb, acc0 * alpha_o)
+        acc1 = mma_v2(c1.permute((1, 0)).load(OP_A), pb, acc1 * alpha_o)
+        acc2 = mma_v2(c2.permute((1, 0)).load(OP_A), pb, acc2 * alpha_o)
+        acc3 = mma_v2(c3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
+        return nn_g, nn_r, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
+
     @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
                                   "tiles_per_split"])
     def _sparse_mla_v2_km_kernel(
@@ -554,10 +638,12 @@ if HAS_GLUON:
         S_SWIZZLE: gl.constexpr = False,
         RING: gl.constexpr = 1,
         Q_REGS: gl.constexpr = 0,
+        ROWS16: gl.constexpr = False,
     ):
         """The KEYS_M kernel: the same parameters as ``_sparse_mla_v2_kernel`` (one plan and launch
         path; QK_ACCS / S_SWIZZLE / Q_REGS are not used: 4 accumulators, q^T always in registers),
-        BLOCK_H 8 (mma.sync's N), BLOCK_N = 16 x NUM_WARPS."""
+        BLOCK_H 8 (mma.sync's N), BLOCK_N = 16 x NUM_WARPS. ``ROWS16``: the cache holds 16-bit rows
+        (bf16 / fp16 of q's dtype, 1152 B): a two-stage ring of the rows as they are (RING unused)."""
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
         DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -571,21 +657,33 @@ if HAS_GLUON:
         L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-        lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-        sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-        rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-        if RING == 2:
-            lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-            sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-            rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        if ROWS16:  # two stages of the rows as stored: 4 latent groups + the rope each
+            ga0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            ga1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            ga2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            ga3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            rpa = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+            gb0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            gb1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            gb2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            gb3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            rpb = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
         else:
-            lat_b = lat_a
-            sc_b = sc_a
-            rp_b = rp_a
-        k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+            sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+            rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+            if RING == 2:
+                lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+                sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
+                rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+            else:
+                lat_b = lat_a
+                sc_b = sc_a
+                rp_b = rp_a
+            k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
         s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_H], SH_PLAIN)
 
         n_hb = gl.cdiv(num_heads, BLOCK_H)
@@ -615,17 +713,28 @@ if HAS_GLUON:
         S_LAT: gl.constexpr = gl.SliceLayout(1, L_LAT)
         S_SC: gl.constexpr = gl.SliceLayout(1, L_SC)
         S_RP: gl.constexpr = gl.SliceLayout(1, L_RP)
-        _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
-                    num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-        cp.commit_group()
-        nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
-        nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
-        nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
-        vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
-
+        if ROWS16:
+            L_G: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+            S_G: gl.constexpr = gl.SliceLayout(1, L_G)
+            _issue_tile16(kv_ptr, ga0, ga1, ga2, ga3, rpa,
+                          _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_G),
+                          _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
+                          num_slots, block_size, stride_kb, stride_ks, DT, L_G, L_RP)
+            cp.commit_group()
+            nl_g = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_G)
+            nl_r = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+            vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
+        else:
+            _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
+                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
+                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
+                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
+                        num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            cp.commit_group()
+            nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
+            nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
+            nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+            vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(0, OP_B))
         l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(0, OP_B))
         acc0 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
@@ -633,21 +742,34 @@ if HAS_GLUON:
         acc2 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
         acc3 = gl.full([GROUP, BLOCK_H], 0.0, gl.float32, layout=MMA)
 
-        for i in range(0, n_t, 2):
-            tile = tile_lo + i
-            nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
-                kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
-                qk_scale_log2, i + 1 < n_t,
-                lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
-                nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
-            if i + 1 < n_t:
+        if ROWS16:
+            for i in range(0, n_t, 2):
+                tile = tile_lo + i
+                nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km16(
+                    kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                    qk_scale_log2, i + 1 < n_t, ga0, ga1, ga2, ga3, rpa, gb0, gb1, gb2, gb3, rpb, s_smem, qt,
+                    nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+                if i + 1 < n_t:
+                    nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km16(
+                        kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
+                        qk_scale_log2, i + 2 < n_t, gb0, gb1, gb2, gb3, rpb, ga0, ga1, ga2, ga3, rpa, s_smem, qt,
+                        nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+        else:
+            for i in range(0, n_t, 2):
+                tile = tile_lo + i
                 nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
-                    kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
-                    qk_scale_log2, i + 2 < n_t,
-                    lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
+                    kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
+                    qk_scale_log2, i + 1 < n_t,
+                    lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
                     BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
+                if i + 1 < n_t:
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
+                        kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
+                        qk_scale_log2, i + 2 < n_t,
+                        lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
+                        nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
         cp.wait_group(0)
 
         # ---- epilogue: O^T [dims, heads] -> out[t, h, dims] ------------------------------------
@@ -761,9 +883,20 @@ KEYS_M_CONFIGS = (
 )
 
 
-def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2, keys_m: bool = False) -> int:
+# KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, opt-in, not yet timed):
+# 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at BLOCK_N 64.
+ROWS16_CONFIGS = (
+    {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "CTAS_PER_SM": 3},
+    {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "CTAS_PER_SM": 1},
+)
+
+
+def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2, keys_m: bool = False,
+                    rows16: bool = False) -> int:
     """Shared memory the kernel allocates explicitly: the ring ``ring`` x (512 + 16 + 64*elem) B per
     row, the 16-bit K tile, q and the fp32 S tile (KEYS_M: no q tile, q^T lives in registers)."""
+    if rows16:  # two stages of 576 16-bit values per row, the S^T tile
+        return 2 * block_n * 576 * elem + block_n * 8 * 4
     if keys_m:
         return ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_n * 8 * 4
     return (ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
@@ -771,14 +904,20 @@ def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 
 
 
 def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None, *,
-                          kv_cache: torch.Tensor | None = None) -> str | None:
+                          kv_cache: torch.Tensor | None = None, config: dict | None = None) -> str | None:
     """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback). With
     ``kv_cache``, a cache whose rows are not 16-byte aligned (its 16-byte copies need them) goes to
-    v1 too, which reads any alignment, instead of failing in v2's validation."""
+    v1 too, which reads any alignment, instead of failing in v2's validation. 16-bit rows (the
+    bf16 / fp16 format) run in v2 only when ``config`` asks for ``ROWS16`` (not yet timed)."""
     if not HAS_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if kv_format != "fp8_ds_mla":
-        return f"kv_format {kv_format!r}: v2 handles fp8_ds_mla only"
+        try:
+            code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
+        except Exception as e:  # unknown name: v1 raises the clear error
+            return f"kv_format {kv_format!r}: {e}"
+        if code != _v1._kvf.FMT_16BIT or not (config and config.get("ROWS16")):
+            return f"kv_format {kv_format!r}: v2 runs fp8_ds_mla, and 16-bit rows with config ROWS16 only"
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
         return "q is not [T, H, 576]"
     h = q.shape[1] if num_heads is None else num_heads
@@ -789,7 +928,7 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
     if kv_cache is not None and kv_cache.dim() >= 2 and (
             kv_cache.stride(0) * kv_cache.element_size() % 16 or kv_cache.stride(1) * kv_cache.element_size() % 16
             or kv_cache.data_ptr() % 16):
-        return "fp8_ds_mla cache rows not 16-byte aligned"
+        return "cache rows not 16-byte aligned"
     if not q.is_cuda:
         return "not a CUDA tensor (Gluon kernels do not run in the interpreter)"
     major = _device_props(q.device)[0]
@@ -853,7 +992,8 @@ class _PlanV2:
 _PLANS_V2: dict = {}
 
 
-def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) -> _PlanV2:
+def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
+             kv_format: str = "fp8_ds_mla") -> _PlanV2:
     """Validate a supported call (``ValueError`` on bad arguments) and plan its launch."""
     T, H, _ = q.shape
     kv = kv_cache
@@ -861,14 +1001,21 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
         if kv.shape[2] != 1:
             raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv.shape)}")
         kv = kv.squeeze(2)
-    if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
-        raise ValueError(f"fp8_ds_mla kv_cache must be [num_blocks, block_size, {DS_ROW_BYTES}], got {tuple(kv.shape)}")
-    if kv.element_size() != 1 or kv.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-        raise ValueError(f"fp8_ds_mla needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv.dtype}")
+    rows16 = kv_format != "fp8_ds_mla"
+    if rows16:  # 16-bit rows of q's dtype (v2_unsupported_reason let only those through)
+        if kv.dim() != 3 or kv.shape[2] != HEAD_DIM or kv.dtype != q.dtype:
+            raise ValueError(f"{kv_format} kv_cache must be [num_blocks, block_size, {HEAD_DIM}] of {q.dtype}, "
+                             f"got {tuple(kv.shape)} {kv.dtype}")
+    else:
+        if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
+            raise ValueError(f"fp8_ds_mla kv_cache must be [num_blocks, block_size, {DS_ROW_BYTES}], got {tuple(kv.shape)}")
+        if kv.element_size() != 1 or kv.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"fp8_ds_mla needs a 1-byte cache (uint8 or float8_e4m3fn), got {kv.dtype}")
     if kv.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    if kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
-        raise ValueError("fp8_ds_mla cache rows must be 16-byte aligned")
+    esz = kv.element_size()  # the kernel takes byte strides
+    if (kv.stride(0) * esz) % 16 or (kv.stride(1) * esz) % 16 or kv.data_ptr() % 16:
+        raise ValueError("cache rows must be 16-byte aligned")
     if indices.dim() != 2 or indices.shape[0] != T or indices.dtype != torch.int32:
         raise ValueError(f"indices must be int32 [T={T}, topk], got {tuple(indices.shape)} {indices.dtype}")
     for name, tns in (("kv_cache", kv), ("indices", indices)):
@@ -894,6 +1041,9 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
     major, _, num_sms = _device_props(q.device)
     major = _v1._dispatch_major(major)  # GLM5_SPARSE_MLA_DISPATCH_CC: the SM120 proxy's configs
     cfg = resolve_config_v2(H, major, T, config)
+    if rows16 != bool(cfg.get("ROWS16")) or (rows16 and not cfg.get("KEYS_M")):
+        raise ValueError(f"kv_format {kv_format!r} with config ROWS16={cfg.get('ROWS16')}: 16-bit rows run the "
+                         "KEYS_M kernel with ROWS16 (config), fp8_ds_mla rows never")
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
     if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
         raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
@@ -906,7 +1056,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
     lst = lse.stride() if lse is not None else (H, 1)
     p.grid = (T * n_hb * p.num_splits,)
     p.tail = (float(softmax_scale) * _LOG2E, H, topk, num_slots, block_size,
-              q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+              q.stride(0), q.stride(1), q.stride(2), kv.stride(0) * esz, kv.stride(1) * esz,
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
     consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
@@ -915,6 +1065,10 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config) 
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.keys_m = bool(cfg.get("KEYS_M", False))
+    if p.keys_m:  # the KEYS_M kernel's last parameter
+        consts["ROWS16"] = rows16
+        p.consts = tuple(consts.values())
+        p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
     block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
     p.merge_consts = (block_s, 128)
@@ -1017,7 +1171,7 @@ def sparse_mla_decode_v2(
                 return _launch_v2(p, q, kv_cache, indices, out, lse)
             if p is not None:  # a key v2 does not take: v1's plan, launched as v1 launches it
                 return _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
-    reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache)
+    reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache, config=config)
     if reason is not None:
         if not fallback:
             raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")
@@ -1029,7 +1183,7 @@ def sparse_mla_decode_v2(
         if v1_plan is not None:
             _v1.remember_plan(_PLANS_V2, key, v1_plan)
         return res
-    p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config)
+    p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config, kv_format)
     if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")
     if key is not None:
@@ -1054,7 +1208,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                 c = pick_config_v2(h, cc_major, t)
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
-                      int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)))] = c
+                      int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
@@ -1062,6 +1216,8 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             bh, bn, nw, qa = c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1)
             dq, sw, ring = c.get("DQ_VEC", 16), bool(c.get("S_SWIZZLE", False)), c.get("RING", 2)
             qreg = int(c.get("Q_REGS", 0))
+            km = bool(c.get("KEYS_M"))
+            r16 = bool(c.get("ROWS16"))
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -1078,16 +1234,19 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
                         "S_SWIZZLE": "constexpr", "RING": "constexpr", "Q_REGS": "constexpr",
                     }
+                    cx = {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
+                          "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
+                          "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring, "Q_REGS": qreg}
+                    if km:  # the KEYS_M kernel's extra parameter
+                        sig["ROWS16"] = "constexpr"
+                        cx["ROWS16"] = r16
                     specs.append({
-                        "name": (f"sparse_mla_v2{'_km' if c.get('KEYS_M') else ''}[{str(qdt).split('.')[-1]},"
+                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km' if km else ''}[{str(qdt).split('.')[-1]},"
                                  f"BH={bh},BN={bn},w={nw},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}]"),
                         "fn": _sparse_mla_v2_km_kernel if c.get("KEYS_M") else _sparse_mla_v2_kernel,
                         "signature": sig,
-                        "constexprs": {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
-                                       "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
-                                       "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring,
-                                       "Q_REGS": qreg},
+                        "constexprs": cx,
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
                                             "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],

@@ -124,20 +124,21 @@ print(json.dumps(rows))
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 def test_v2_keys_m_configs_compile_for_sm90():
-    """The KEYS_M kernel's configurations compile for sm_90 without spills (q^T's 72 registers
-    included) and use the shared memory accounted for (two CTAs per SM at BLOCK_N 64 / RING 1)."""
+    """The KEYS_M kernel's configurations (fp8_ds_mla and 16-bit rows) compile for sm_90 without
+    spills (q^T's 72 registers included) and use the shared memory accounted for (two CTAs per SM
+    at BLOCK_N 64 / RING 1)."""
     code = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
 import sm120_check
 from kernels import triton_sparse_mla_v2 as m
 rows = []
-for c in m.KEYS_M_CONFIGS:
+for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS:
     for s in m.compile_specs(9, [dict(m.pick_config_v2(8, 9, 64), **c)]):
-        if s["name"].startswith("sparse_mla_v2_km[bfloat16"):
+        if s["name"].startswith(("sparse_mla_v2_km[bfloat16", "sparse_mla_v2_km16[bfloat16")):
             assert s["fn"] is m._sparse_mla_v2_km_kernel
             r = sm120_check.compile_spec(s, 90)
-            r.update(name=s["name"], ring=c["RING"], bn=c["BLOCK_N"])
+            r.update(name=s["name"], ring=c.get("RING", 2), bn=c["BLOCK_N"], rows16=bool(c.get("ROWS16")))
             rows.append(r)
 print(json.dumps(rows))
 '''
@@ -146,10 +147,10 @@ print(json.dumps(rows))
     r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * len(v2.KEYS_M_CONFIGS)
+    assert len(rows) == 2 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS))
     for row in rows:
         assert row["stack"] == 0 and row["local"] == 0, row
-        assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True), row
+        assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True, rows16=row["rows16"]), row
     assert v2.shared_bytes_v2(64, ring=1, keys_m=True) * 2 <= 232448  # two CTAs per SM on SM90
 
 
@@ -394,6 +395,56 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("cfg", list(range(len(v2.ROWS16_CONFIGS))))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
+    """KEYS_M over 16-bit rows (config ROWS16, the bf16 / fp16 cache format) against float64: the
+    index conventions, splits, strided q / out / lse, a 4-d cache view with a padded block stride;
+    a 16-bit cache without ROWS16 and ROWS16 on an fp8_ds_mla cache are refused."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    cache = (torch.randn((nb, bs + 1, 1, 576 + 8), generator=gen) * 0.5).to(dtype)[:, :bs, :, :576]
+    cfg = v2.ROWS16_CONFIGS[cfg]
+    for H in (1, 8, 11):
+        big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
+        q = big[:, 1:1 + H, 10:10 + 576]
+        idx = torch.randint(0, nb * bs, (T, topk), generator=gen, dtype=torch.int32)
+        idx[1] = -1
+        idx[2, :160] = 17
+        idx[3, :5] = nb * bs + 3
+        idx[3, 5:9] = -7
+        idx[4, 40:] = nb * bs
+        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "bfloat16" if dtype == torch.bfloat16 else "float16")
+        fin = torch.isfinite(rl)
+        for ns in (1, 3):
+            out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1).fill_(float("nan"))
+            lse = torch.empty((H, T), dtype=torch.float32).t().fill_(float("nan"))
+            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", out=out, lse=lse, num_splits=ns, config=cfg,
+                                    fallback=False)
+            assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+            assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+            assert torch.equal(torch.isfinite(lse), fin)
+            rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
+            assert rel[fin].max().item() < TOL_HEAD[dtype], (H, ns, rel.max())
+            assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dtype]
+    assert emulated_v2.km.launches == 6
+    with pytest.raises(ValueError, match="ROWS16"):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", config=dict(v2.KEYS_M_CONFIGS[2]), fallback=False)
+    with pytest.raises(ValueError, match="ROWS16"):
+        v2.sparse_mla_decode_v2(q, _cpu_cache(nb, bs, dtype, gen), idx, SCALE, "fp8_ds_mla", config=cfg, fallback=False)
+
+
+def test_v2_rows16_is_opt_in():
+    """Without config ROWS16 a 16-bit cache goes to v1 (v2's 16-bit path is not yet timed)."""
+    q = torch.empty((1, 8, 576), dtype=torch.bfloat16)
+    assert "ROWS16" in v2.v2_unsupported_reason(q, "bfloat16")
+    assert "ROWS16" in v2.v2_unsupported_reason(q, "auto", config={"BLOCK_N": 32})
+    assert "ROWS16" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS16": True})
+    r = v2.v2_unsupported_reason(q, "bfloat16", config={"ROWS16": True})
+    assert r is None or "ROWS16" not in r  # past the format check (CPU: "not a CUDA tensor")
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
 @pytest.mark.parametrize("cfg", list(range(len(v2.TUNING_CONFIGS))))
 def test_emulated_v2_tuning_configs(emulated_v2, cfg, seed):
     """Every forced tile configuration (BLOCK_N 16 / 32 / 64) through the emulated kernel body."""
@@ -534,6 +585,43 @@ def test_gpu_v2_keys_m(cfg, seed):
             for ns in (None, 1, 7):
                 check(q, cache, idx, num_splits=ns, config=c)
         check(q, cache.unsqueeze(2), idx, config=c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.ROWS16_CONFIGS))))
+def test_gpu_v2_rows16(cfg, seed):
+    """KEYS_M over 16-bit rows (config ROWS16): bf16 and fp16 caches, H 1 / 8 / 16 / 3, splits,
+    edge rows, a 4-d view with a padded block stride; against the float64 reference of the
+    16-bit format (the rows are exact there: no rounding of K to account for)."""
+    c = dict(v2.ROWS16_CONFIGS[cfg])
+    need = v2.shared_bytes_v2(c["BLOCK_N"], rows16=True)
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
+    if need > optin:
+        pytest.skip(f"needs {need} B of shared memory, the device has {optin}")
+    nb, bs = 256, 64
+    for dt in (torch.bfloat16, torch.float16):
+        padded = (torch.randn((nb, bs + 1, 1, 576 + 8), device="cuda") * 0.5).to(dt)
+        cache = padded[:, :bs, :, :576]
+        fmt = "bfloat16" if dt == torch.bfloat16 else "float16"
+        for H, T in ((8, 1), (8, 37), (16, 4), (3, 5), (1, 2)):
+            q = torch.randn((T, H, 576), device="cuda").to(dt)
+            idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
+            if T >= 5:
+                idx[1] = -1
+                idx[2, :700] = 17
+                idx[4, 1000:] = nb * bs
+            for ns in (None, 1, 7):
+                out = torch.full((T, H, 512), float("nan"), dtype=dt, device="cuda")
+                lse = torch.full((T, H), float("nan"), dtype=torch.float32, device="cuda")
+                v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, out=out, lse=lse, num_splits=ns, config=c,
+                                        fallback=False)
+                ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, fmt)
+                fin = torch.isfinite(rl)
+                assert torch.equal(torch.isfinite(lse), fin) and not torch.isnan(out).any()
+                rel = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30),
+                                  torch.zeros_like(rl))
+                assert rel.max().item() < TOL_HEAD[dt], (H, T, ns, rel.max().item())
+                assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dt]
 
 
 @pytest.mark.gpu
