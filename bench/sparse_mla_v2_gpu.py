@@ -32,6 +32,10 @@ CTAs per SM as SM120's 100 KB would (``sm120_padded_shared``: one for the 95 KB 
 SM120's SM count, clocks, DRAM bandwidth per SM (~10 GB/s against the H100's ~25) and L2 differ,
 so it ranks configurations, it does not predict SM120 times.
 
+``--rows16``: at the largest context, the same indices over a bf16 pool (1152-byte rows): v1 and
+each ``ROWS16_CONFIGS`` entry of v2, checked against float64 and timed (``bf16_us`` per record,
+``bf16_bytes`` the rows' bytes).
+
 Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``, ``..._sm120occupancy.json`` with both; ``OUT``
 defaults to ``bench/results``) with the command,
 device, environment, every record and the failures; prints a table last; exits 1 on any
@@ -305,6 +309,50 @@ def convention_checks(dev, v2cfg, failures, records):
         check_call(f"conv cuda-graph replay {r}", lambda *a: g.replay(), q, cache, idx, out, lse, failures, records)
 
 
+_POOL16 = {}
+
+
+def rows16_point(rec, sets, H, T, dev, failures, checks):
+    """The bf16 cache format (1152-byte rows) at the same indices: v1 and each ROWS16 config of
+    v2 (KEYS_M over 16-bit rows), checked once against float64, then timed like the rest."""
+    if "pool" not in _POOL16:  # same geometry as the fp8_ds_mla pool, so the indices carry over
+        gen = torch.Generator(device=dev).manual_seed(5)
+        pool = torch.empty((POOL_TOKENS // BS, BS, 576), dtype=torch.bfloat16, device=dev)
+        flat = pool.view(-1, 576)
+        for s0 in range(0, POOL_TOKENS, 1 << 17):
+            flat[s0:s0 + (1 << 17)] = (torch.randn((min(1 << 17, POOL_TOKENS - s0), 576), generator=gen,
+                                                   device=dev) * 0.5).to(torch.bfloat16)
+        _POOL16["pool"] = pool
+    pool = _POOL16["pool"]
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
+    q, idx, out, lse = sets[0]
+    ro, rl = v1.sparse_mla_decode_reference(q, pool, idx, SCALE, "bfloat16")
+    fin = torch.isfinite(rl)
+    calls = {"v1": lambda s, c=None: v1.sparse_mla_decode(s[0], pool, s[1], SCALE, "bfloat16", out=s[2], lse=s[3])}
+    for c in v2.ROWS16_CONFIGS:
+        if v2.shared_bytes_v2(c["BLOCK_N"], rows16=True) <= optin:
+            calls[f"rows16_BN{c['BLOCK_N']}_w{c['NUM_WARPS']}"] = (
+                lambda s, c=c: v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "bfloat16", out=s[2], lse=s[3],
+                                                       config=dict(c), fallback=False))
+    res = {}
+    for name, fn in calls.items():
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        fn(sets[0])
+        torch.cuda.synchronize()
+        rel = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30),
+                          torch.zeros_like(rl))
+        err = float(rel.max())
+        ok = err < TOL_HEAD[q.dtype] and not torch.isnan(out).any() and torch.equal(torch.isfinite(lse), fin)
+        checks.append({"check": f"bf16 {name} H={H} T={T}", "head_rel_err": err, "ok": bool(ok)})
+        if not ok:
+            failures.append(f"bf16 {name} H={H} T={T}: per-head relative error {err:.3e} or non-finite output")
+            continue
+        res[name] = time_graph([(lambda s=s, fn=fn: fn(s)) for s in sets])
+    rec["bf16_us"] = res
+    rec["bf16_bytes"] = T * TOPK * 1152
+
+
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
@@ -320,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sm120-occupancy", action="store_true",
                     help="with --sm120-proxy on an SM90 GPU: launch every kernel with the shared memory that "
                          "leaves it as many CTAs per SM as SM120's 100 KB would (timing only)")
+    ap.add_argument("--rows16", action="store_true",
+                    help="also time the bf16 cache format at the largest context: v1 against v2's ROWS16 configs")
     ap.add_argument("--sweep-all-t", action="store_true",
                     help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
     args = ap.parse_args(argv)
@@ -500,6 +550,8 @@ def main(argv=None) -> int:
                             if sweep:
                                 k = min(sweep, key=sweep.get)
                                 rec["v2_best_sweep"] = {"config": k, "us": sweep[k]}
+                        if args.rows16 and ctx == max(ctxs) and reason is None:
+                            rows16_point(rec, sets, H, T, dev, failures, checks)
                         best = None
                         for bn, nw, mult in ((32, 4, 4), (16, 4, 8), (64, 8, 2)):
                             splits = max(1, min(64, triton.cdiv(mult * sms, T)))
