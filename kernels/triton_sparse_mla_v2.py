@@ -135,6 +135,24 @@ if HAS_GLUON:
         cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
 
     @gluon.jit
+    def _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ: gl.constexpr, DT: gl.constexpr):
+        """A ring stage's latent bytes -> the four 16-bit K tiles: e4m3 x its row's group scale,
+        rounded to q's dtype (one buffer per 128-group)."""
+        GROUP: gl.constexpr = 128
+        raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(0, 1, dim=1).load(L_DQ)
+        k0.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(1, 1, dim=1).load(L_DQ)
+        k1.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(2, 1, dim=1).load(L_DQ)
+        k2.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
+        sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
+        k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+
+    @gluon.jit
     def _q_op(q_smem, q_ops, j: gl.constexpr, Q_REGS: gl.constexpr, OP_A: gl.constexpr):
         """q's A operand of K-chunk ``j`` (0-7: latent columns 64j.., 8: the rope): from the
         registers loaded before the loop (Q_REGS) or re-read from shared memory."""
@@ -186,18 +204,7 @@ if HAS_GLUON:
             cp.commit_group()
 
         # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group)
-        raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(0, 1, dim=1).load(L_DQ)
-        k0.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(1, 1, dim=1).load(L_DQ)
-        k1.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(2, 1, dim=1).load(L_DQ)
-        k2.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
-        k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
         _cta_barrier()
 
         # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64). QK_ACCS = 4: one
@@ -447,6 +454,45 @@ if HAS_GLUON:
     # shared-memory traffic per key than the kernel above (docs/notes/sparse_mla_v2.md).
 
     @gluon.jit
+    def _km_scores(a0, a1, a2, a3, arp, qt, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr,
+                   OP_A: gl.constexpr):
+        """S^T [BLOCK_N, BLOCK_H] = K q^T from the four 128-wide latent tiles and the rope tile (each
+        warp its 16 keys' rows), one accumulator per 128-group (the rope into the last)."""
+        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s0 = mma_v2(a0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
+        s0 = mma_v2(a0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
+        s1 = mma_v2(a1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
+        s1 = mma_v2(a1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
+        s2 = mma_v2(a2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
+        s2 = mma_v2(a2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
+        s3 = mma_v2(a3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
+        s3 = mma_v2(a3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
+        s3 = mma_v2(arp.load(OP_A), qt[8], s3)
+        return (s0 + s1) + (s2 + s3)
+
+    @gluon.jit
+    def _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, DT: gl.constexpr,
+                       MMA: gl.constexpr, OP_A: gl.constexpr, OP_B: gl.constexpr):
+        """After the S^T exchange barrier: P^T in the PV MMA's B-operand layout (all keys of the tile
+        per head column; max and sum over keys are local plus quad shuffles), online softmax, and
+        O^T += V^T P^T with V^T the latent tiles read transposed. Returns (m, l, acc0..acc3)."""
+        s = s_smem.load(OP_B)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        pb = p.to(DT)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
+        acc0 = mma_v2(v0.permute((1, 0)).load(OP_A), pb, acc0 * alpha_o)
+        acc1 = mma_v2(v1.permute((1, 0)).load(OP_A), pb, acc1 * alpha_o)
+        acc2 = mma_v2(v2.permute((1, 0)).load(OP_A), pb, acc2 * alpha_o)
+        acc3 = mma_v2(v3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
+        return m_new, l_i, acc0, acc1, acc2, acc3
+
+    @gluon.jit
     def _step_km(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                  qk_scale_log2, has_next,
                  lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, s_smem, qt,
@@ -480,35 +526,11 @@ if HAS_GLUON:
                             stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
             cp.commit_group()
 
-        raw = lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(0, 1, dim=1).load(L_DQ)
-        k0.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(1, 1, dim=1).load(L_DQ)
-        k1.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(2, 1, dim=1).load(L_DQ)
-        k2.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
-        raw = lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ)
-        sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
-        k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
+        _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
         _cta_barrier()
 
         # S^T = K q^T: each warp's 16 keys against the 8 heads, one accumulator per 128-group
-        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s0 = mma_v2(k0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
-        s0 = mma_v2(k0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
-        s1 = mma_v2(k1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
-        s1 = mma_v2(k1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
-        s2 = mma_v2(k2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
-        s2 = mma_v2(k2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
-        s3 = mma_v2(k3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
-        s3 = mma_v2(k3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
-        s3 = mma_v2(rp_c.load(OP_A), qt[8], s3)
-        s = (s0 + s1) + (s2 + s3)
+        s = _km_scores(k0, k1, k2, k3, rp_c, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
 
         # softmax over the keys: S^T through shared memory into the B-operand layout of the PV
         # MMA (every warp holds all keys of the tile for its heads column, split over a quad)
@@ -520,17 +542,8 @@ if HAS_GLUON:
                 _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
                             stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
             cp.commit_group()
-        s = s_smem.load(OP_B)
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        pb = p.to(DT)
-        alpha_o = gl.convert_layout(alpha, COL_M)[None, :]
-        acc0 = mma_v2(k0.permute((1, 0)).load(OP_A), pb, acc0 * alpha_o)
-        acc1 = mma_v2(k1.permute((1, 0)).load(OP_A), pb, acc1 * alpha_o)
-        acc2 = mma_v2(k2.permute((1, 0)).load(OP_A), pb, acc2 * alpha_o)
-        acc3 = mma_v2(k3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
+        m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                            k0, k1, k2, k3, DT, MMA, OP_A, OP_B)
         return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
 
     # ----------------------------------------------------------------------------------------
@@ -586,35 +599,13 @@ if HAS_GLUON:
                           DT, L_G, L_RP)
         cp.commit_group()
 
-        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s0 = mma_v2(c0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
-        s0 = mma_v2(c0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
-        s1 = mma_v2(c1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
-        s1 = mma_v2(c1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
-        s2 = mma_v2(c2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
-        s2 = mma_v2(c2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
-        s3 = mma_v2(c3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
-        s3 = mma_v2(c3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
-        s3 = mma_v2(crp.load(OP_A), qt[8], s3)
-        s = (s0 + s1) + (s2 + s3)
+        s = _km_scores(c0, c1, c2, c3, crp, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
 
         valid = (vs >= 0) & (vs < num_slots)
         s_smem.store(gl.where(valid[:, None], s * qk_scale_log2, float("-inf")))
         _cta_barrier()
-        s = s_smem.load(OP_B)
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        pb = p.to(DT)
-        alpha_o = gl.convert_layout(alpha, COL_M)[None, :]
-        acc0 = mma_v2(c0.permute((1, 0)).load(OP_A), pb, acc0 * alpha_o)
-        acc1 = mma_v2(c1.permute((1, 0)).load(OP_A), pb, acc1 * alpha_o)
-        acc2 = mma_v2(c2.permute((1, 0)).load(OP_A), pb, acc2 * alpha_o)
-        acc3 = mma_v2(c3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
+        m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                            c0, c1, c2, c3, DT, MMA, OP_A, OP_B)
         return nn_g, nn_r, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
 
     @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",

@@ -298,6 +298,39 @@ def emulated_v2(monkeypatch):
     return launch
 
 
+def _edge_batch(gen, nb, bs, T, H, topk, dtype, dup):
+    """q as a strided view [T, H, 576] and int32 indices [T, topk] as a column-strided view, with
+    the index conventions: row 1 empty (-1), row 2 ``dup`` copies of slot 17, row 3 out-of-range
+    and negative slots, row 4 the first out-of-range slot from column 40 on (T = 5)."""
+    big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
+    q = big[:, 1:1 + H, 10:10 + 576]
+    idx = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)[:, ::2]
+    idx[1] = -1
+    idx[2, :dup] = 17
+    idx[3, :5] = nb * bs + 3
+    idx[3, 5:9] = -7
+    idx[4, 40:] = nb * bs
+    return q, idx
+
+
+def _check_emulated(q, cache, idx, kv_format, ns, config=None):
+    """One emulated call into poisoned strided fp32 out / lse, against float64: no NaN left, row 1
+    (empty) zeros and -inf, the same finite rows, per-head and lse bounds of q's dtype."""
+    T, H, _ = q.shape
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format)
+    fin = torch.isfinite(rl)
+    out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1).fill_(float("nan"))
+    lse = torch.empty((H, T), dtype=torch.float32).t().fill_(float("nan"))
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, out=out, lse=lse, num_splits=ns, config=config,
+                            fallback=False)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+    assert torch.equal(torch.isfinite(lse), fin)
+    rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
+    assert rel[fin].max().item() < TOL_HEAD[q.dtype], (H, ns, rel.max())
+    assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[q.dtype]
+
+
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_v2_conventions(emulated_v2, dtype, seed):
@@ -307,29 +340,9 @@ def test_emulated_v2_conventions(emulated_v2, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     nb, bs, H, T, topk = 8, 16, 5, 5, 100
     cache = _cpu_cache(nb, bs, dtype, gen)
-    big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
-    q = big[:, 1:1 + H, 10:10 + 576]
-    ib = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)
-    idx = ib[:, ::2]
-    idx[1] = -1
-    idx[2, :60] = 17
-    idx[3, :5] = nb * bs + 3
-    idx[3, 5:9] = -7
-    idx[4, 40:] = nb * bs
-    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-    fin = torch.isfinite(rl)
+    q, idx = _edge_batch(gen, nb, bs, T, H, topk, dtype, dup=60)
     for ns in (1, 2, 3, None):
-        out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1)
-        lse = torch.empty((H, T), dtype=torch.float32).t()
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=ns, fallback=False)
-        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
-        assert torch.equal(torch.isfinite(lse), fin)
-        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
-        assert rel[fin].max().item() < TOL_HEAD[dtype], (ns, rel)
-        assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dtype]
+        _check_emulated(q, cache, idx, "fp8_ds_mla", ns)
     assert emulated_v2.launches == 4
 
 
@@ -367,30 +380,9 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
     cache = _cpu_cache(nb, bs, torch.float16, gen)
     cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring)
     for H in (1, 5, 8, 11):
-        big = torch.randn((T, H + 2, 600), generator=gen).to(torch.float16)
-        q = big[:, 1:1 + H, 10:10 + 576]
-        ib = torch.randint(0, nb * bs, (T, 2 * topk), generator=gen, dtype=torch.int32)
-        idx = ib[:, ::2]
-        idx[1] = -1
-        idx[2, :160] = 17
-        idx[3, :5] = nb * bs + 3
-        idx[3, 5:9] = -7
-        idx[4, 40:] = nb * bs
-        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-        fin = torch.isfinite(rl)
+        q, idx = _edge_batch(gen, nb, bs, T, H, topk, torch.float16, dup=160)
         for ns in (1, 2, 3):
-            out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1)
-            lse = torch.empty((H, T), dtype=torch.float32).t()
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
-            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=ns,
-                                    config=cfg, fallback=False)
-            assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-            assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
-            assert torch.equal(torch.isfinite(lse), fin)
-            rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
-            assert rel[fin].max().item() < TOL_HEAD[torch.float16], (H, ns, rel)
-            assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[torch.float16]
+            _check_emulated(q, cache, idx, "fp8_ds_mla", ns, cfg)
     assert emulated_v2.km.launches == 12 and emulated_v2.launches == 0
 
 
@@ -406,27 +398,9 @@ def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
     cache = (torch.randn((nb, bs + 1, 1, 576 + 8), generator=gen) * 0.5).to(dtype)[:, :bs, :, :576]
     cfg = v2.ROWS16_CONFIGS[cfg]
     for H in (1, 8, 11):
-        big = torch.randn((T, H + 2, 600), generator=gen).to(dtype)
-        q = big[:, 1:1 + H, 10:10 + 576]
-        idx = torch.randint(0, nb * bs, (T, topk), generator=gen, dtype=torch.int32)
-        idx[1] = -1
-        idx[2, :160] = 17
-        idx[3, :5] = nb * bs + 3
-        idx[3, 5:9] = -7
-        idx[4, 40:] = nb * bs
-        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "bfloat16" if dtype == torch.bfloat16 else "float16")
-        fin = torch.isfinite(rl)
+        q, idx = _edge_batch(gen, nb, bs, T, H, topk, dtype, dup=160)
         for ns in (1, 3):
-            out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1).fill_(float("nan"))
-            lse = torch.empty((H, T), dtype=torch.float32).t().fill_(float("nan"))
-            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", out=out, lse=lse, num_splits=ns, config=cfg,
-                                    fallback=False)
-            assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-            assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
-            assert torch.equal(torch.isfinite(lse), fin)
-            rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30)
-            assert rel[fin].max().item() < TOL_HEAD[dtype], (H, ns, rel.max())
-            assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dtype]
+            _check_emulated(q, cache, idx, "bfloat16" if dtype == torch.bfloat16 else "float16", ns, cfg)
     assert emulated_v2.km.launches == 6
     with pytest.raises(ValueError, match="ROWS16"):
         v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", config=dict(v2.KEYS_M_CONFIGS[2]), fallback=False)
