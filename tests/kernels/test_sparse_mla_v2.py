@@ -744,7 +744,9 @@ def test_v2_slot_split_policy():
                 assert 1 <= s <= min(n_tiles, v2.MAX_SPLITS)
                 assert triton.cdiv(n_tiles, triton.cdiv(n_tiles, s)) == s  # no empty split
     # the dispatch's count is the policy's (SM90 two slots per SM, SM120 one)
-    assert v2.v2_num_splits(128, 8, 2048, 9, 132) == 2
+    assert v2.v2_num_splits(128, 16, 2048, 9, 132) == 2
+    # H <= 8 from 32 rows on SM90: KEYS_M, BLOCK_N 32 with four CTA slots per SM
+    assert v2.v2_num_splits(128, 8, 2048, 9, 132) == f(128, 1, 64, 4 * 132, 2)
     assert v2.v2_num_splits(128, 8, 2048, 12, 188) == f(128, 1, 64, 188, 2)
     assert v2.v2_num_splits(128, 8, 2048, 9, 132, num_splits=5) == 5
     assert v2.v2_num_splits(128, 8, 2048, 9, 132, config={"WAVES": 4, "MIN_TILES": 1}) == 5
