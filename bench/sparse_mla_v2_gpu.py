@@ -327,7 +327,6 @@ def rows16_point(rec, sets, H, T, dev, failures, checks):
     optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
     q, idx, out, lse = sets[0]
     ro, rl = v1.sparse_mla_decode_reference(q, pool, idx, SCALE, "bfloat16")
-    fin = torch.isfinite(rl)
     calls = {"v1": lambda s, c=None: v1.sparse_mla_decode(s[0], pool, s[1], SCALE, "bfloat16", out=s[2], lse=s[3])}
     for c in v2.ROWS16_CONFIGS:
         if v2.shared_bytes_v2(c["BLOCK_N"], rows16=True) <= optin:
@@ -340,13 +339,15 @@ def rows16_point(rec, sets, H, T, dev, failures, checks):
         lse.fill_(float("nan"))
         fn(sets[0])
         torch.cuda.synchronize()
-        rel = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30),
-                          torch.zeros_like(rl))
-        err = float(rel.max())
-        ok = err < TOL_HEAD[q.dtype] and not torch.isnan(out).any() and torch.equal(torch.isfinite(lse), fin)
-        checks.append({"check": f"bf16 {name} H={H} T={T}", "head_rel_err": err, "ok": bool(ok)})
-        if not ok:
-            failures.append(f"bf16 {name} H={H} T={T}: per-head relative error {err:.3e} or non-finite output")
+        err, lerr, probs = errors(out, lse, ro, rl, idx, pool.shape[0] * pool.shape[1])
+        if err >= TOL_HEAD[q.dtype]:
+            probs.append(f"per-head relative error {err:.3e} >= {TOL_HEAD[q.dtype]}")
+        if lerr >= TOL_LSE[q.dtype]:
+            probs.append(f"lse error {lerr:.3e} >= {TOL_LSE[q.dtype]}")
+        checks.append({"check": f"bf16 {name} H={H} T={T}", "head_rel_err": err, "lse_abs_err": lerr,
+                       "ok": not probs, "problems": probs})
+        if probs:
+            failures.append(f"bf16 {name} H={H} T={T}: {'; '.join(probs)}")
             continue
         res[name] = time_graph([(lambda s=s, fn=fn: fn(s)) for s in sets])
     rec["bf16_us"] = res

@@ -135,6 +135,35 @@ if HAS_GLUON:
         cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
 
     @gluon.jit
+    def _tile_slots(idx_row, stride_ik, tile, lim, BLOCK_N: gl.constexpr, L_LAT: gl.constexpr,
+                    L_SC: gl.constexpr, L_RP: gl.constexpr):
+        """One tile's slots in the layouts of its three fp8_ds_mla copies (latent, scales, rope)."""
+        return (_slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_LAT)),
+                _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_SC)),
+                _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_RP)))
+
+    @gluon.jit
+    def _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size, stride_kb,
+                stride_ks, DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr):
+        """The next tile's copies into a free ring stage (none past the split's last tile), then the
+        copy group is closed either way (the next wait_group counts groups)."""
+        if has_next:
+            _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
+                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+        cp.commit_group()
+
+    @gluon.jit
+    def _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim, num_slots, block_size,
+                       stride_kb, stride_ks, BLOCK_N: gl.constexpr, DT: gl.constexpr, L_LAT: gl.constexpr,
+                       L_SC: gl.constexpr, L_RP: gl.constexpr):
+        """A split's first tile in flight into stage A; returns the second tile's slots (its copies)."""
+        f_lat, f_sc, f_rp = _tile_slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, L_LAT, L_SC, L_RP)
+        _issue_tile(kv_ptr, lat_a, sc_a, rp_a, f_lat, f_sc, f_rp, num_slots, block_size, stride_kb, stride_ks,
+                    DT, L_LAT, L_SC, L_RP)
+        cp.commit_group()
+        return _tile_slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, L_LAT, L_SC, L_RP)
+
+    @gluon.jit
     def _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ: gl.constexpr, DT: gl.constexpr):
         """A ring stage's latent bytes -> the four 16-bit K tiles: e4m3 x its row's group scale,
         rounded to q's dtype (one buffer per 128-group)."""
@@ -190,18 +219,14 @@ if HAS_GLUON:
                                               [NUM_WARPS, 1], [1, 0])
 
         # index loads for later tiles: latency hidden behind this tile's work
-        nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
-        nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_SC))
-        nn_rp = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_RP))
+        nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, COL_M)
 
         cp.wait_group(0)  # this thread's copies of this tile landed
         _cta_barrier()  # everyone's did; everyone is done with the previous tile
         if RING == 2:  # the other stage is free: the next tile's copies go now
-            if has_next:
-                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-            cp.commit_group()
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
 
         # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group)
         _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
@@ -251,10 +276,8 @@ if HAS_GLUON:
         s_smem.store(gl.where(valid[None, :], s * qk_scale_log2, float("-inf")))
         _cta_barrier()
         if RING == 1:  # one stage: free once every warp's QK (which reads its rope) is done
-            if has_next:
-                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-            cp.commit_group()
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
         s = s_smem.load(OP_A)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
@@ -359,20 +382,10 @@ if HAS_GLUON:
         n_t = gl.minimum(tiles_per_split, n_tiles - tile_lo)
         lim = gl.minimum((tile_lo + tiles_per_split) * BLOCK_N, topk)
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
-        S_LAT: gl.constexpr = gl.SliceLayout(1, L_LAT)
-        S_SC: gl.constexpr = gl.SliceLayout(1, L_SC)
-        S_RP: gl.constexpr = gl.SliceLayout(1, L_RP)
 
         # prologue: tile 0 in flight into stage A; slots of tile 1 (its copies) and tile 0 (mask)
-        _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
-                    _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
-                    num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-        cp.commit_group()
-        nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
-        nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
-        nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+        nl_lat, nl_sc, nl_rp = _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim, num_slots,
+                                              block_size, stride_kb, stride_ks, BLOCK_N, DT, L_LAT, L_SC, L_RP)
         vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, COL_M)
 
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -513,18 +526,14 @@ if HAS_GLUON:
         L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 // (GROUP // DQ_VEC), GROUP // DQ_VEC],
                                               [NUM_WARPS, 1], [1, 0])
 
-        nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
-        nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_SC))
-        nn_rp = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_RP))
+        nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, ROW_M)
 
         cp.wait_group(0)
         _cta_barrier()
         if RING == 2:
-            if has_next:
-                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-            cp.commit_group()
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
 
         _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
         _cta_barrier()
@@ -538,10 +547,8 @@ if HAS_GLUON:
         s_smem.store(gl.where(valid[:, None], s * qk_scale_log2, float("-inf")))
         _cta_barrier()
         if RING == 1:  # every warp's S^T (which read the rope from the stage) is done
-            if has_next:
-                _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                            stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-            cp.commit_group()
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
         m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
                                                             k0, k1, k2, k3, DT, MMA, OP_A, OP_B)
         return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
@@ -701,8 +708,6 @@ if HAS_GLUON:
         n_t = gl.minimum(tiles_per_split, n_tiles - tile_lo)
         lim = gl.minimum((tile_lo + tiles_per_split) * BLOCK_N, topk)
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
-        S_LAT: gl.constexpr = gl.SliceLayout(1, L_LAT)
-        S_SC: gl.constexpr = gl.SliceLayout(1, L_SC)
         S_RP: gl.constexpr = gl.SliceLayout(1, L_RP)
         if ROWS16:
             L_G: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
@@ -716,15 +721,9 @@ if HAS_GLUON:
             nl_r = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
             vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         else:
-            _issue_tile(kv_ptr, lat_a, sc_a, rp_a,
-                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_LAT),
-                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_SC),
-                        _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, S_RP),
-                        num_slots, block_size, stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-            cp.commit_group()
-            nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_LAT)
-            nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_SC)
-            nl_rp = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+            nl_lat, nl_sc, nl_rp = _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim,
+                                                  num_slots, block_size, stride_kb, stride_ks, BLOCK_N, DT,
+                                                  L_LAT, L_SC, L_RP)
             vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(0, OP_B))
         l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(0, OP_B))
@@ -1053,13 +1052,11 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
-    p.consts = tuple(consts.values())  # in the kernel's parameter order
-    p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.keys_m = bool(cfg.get("KEYS_M", False))
     if p.keys_m:  # the KEYS_M kernel's last parameter
         consts["ROWS16"] = rows16
-        p.consts = tuple(consts.values())
-        p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
+    p.consts = tuple(consts.values())  # in the kernel's parameter order
+    p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
     block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
     p.merge_consts = (block_s, 128)

@@ -56,6 +56,18 @@ def _compile(arch: int, tmp_path) -> list[dict]:
     return rows
 
 
+def _run_compiled(code: str, *args, timeout: int = 1800):
+    """Run ``code`` (which prints one JSON document last) in a fresh Python without Triton's
+    interpreter (this test session runs under it), with the repository root and ``args`` as argv;
+    return the parsed JSON."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT), *map(str, args)], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("arch", [120, 90])
 def test_v2_compiles_within_limits(arch, tmp_path):
@@ -81,12 +93,7 @@ spec = next(x for x in m.compile_specs(12, configs=[cfg])
 assert spec["maxnreg"] == 168 and spec["constexprs"]["RING"] == 1, spec
 print(json.dumps(sm120_check.compile_spec(spec, int(sys.argv[2]))))
 '''
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", code, str(ROOT), str(arch)], capture_output=True, text=True,
-                         env=env, timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = _run_compiled(code, arch)
     assert r["shared"] == v2.shared_bytes_v2(16, ring=1) == 46336, r
     assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 168, r
 
@@ -109,11 +116,7 @@ for s in m.compile_specs(9, cfgs):
         rows.append(r)
 print(json.dumps(rows))
 '''
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = _run_compiled(code)
     assert len(rows) == 2 * len(v2.TUNING_CONFIGS)
     for row in rows:
         print(row)
@@ -142,11 +145,7 @@ for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS:
             rows.append(r)
 print(json.dumps(rows))
 '''
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = _run_compiled(code)
     assert len(rows) == 2 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS))
     for row in rows:
         assert row["stack"] == 0 and row["local"] == 0, row
@@ -220,11 +219,7 @@ for arch in (120, 90):
     res[arch] = {p: len(re.findall(re.escape(p), ptx)) for p in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k16", "wgmma", "bar.sync", "cp.async.wait_group")}
 print(json.dumps(res))
 '''
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = _run_compiled(code, timeout=900)
     for arch, c in res.items():
         assert c["cp.async.cg.shared.global"] > 0 and c["mma.sync.aligned.m16n8k16"] > 0 and c["wgmma"] == 0, (arch, c)
         # main loop: 2 tiles per iteration (stages A and B), 3 barriers each; + q staging / epilogue
@@ -451,7 +446,7 @@ def make_cache(nb, bs, dtype, device, scale_format="arbitrary_fp32"):
     return cache
 
 
-def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
+def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_format="fp8_ds_mla"):
     T, H, _ = q.shape
     if out is None:
         out = torch.empty((T, H, 512), dtype=q.dtype, device=q.device)
@@ -459,10 +454,10 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     out.fill_(float("nan"))  # poison
     lse.fill_(float("nan"))
-    o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, num_splits=num_splits,
+    o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, out=out, lse=lse, num_splits=num_splits,
                                    config=config, fallback=False)
     assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
-    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
     kv = cache if cache.dim() == 3 else cache.squeeze(2)
     empty = ~((idx >= 0) & (idx < kv.shape[0] * kv.shape[1])).any(dim=1)
@@ -473,7 +468,7 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None):
     # the kernel's tensor-core operands are. Against exact float64, rounding K alone moves a head
     # with peaked logits by up to ~3e-2 (seen on the H100 with v1 and v2 alike: 3.05e-2 at H 16,
     # T 128, random data; 2.64e-2 here at H 5, T 64): the kernel's own error is what this bounds.
-    r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla", round_kv_to=q.dtype)
+    r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, round_kv_to=q.dtype)
     head_err = torch.where(fin, (out.double() - r16).norm(dim=-1) / r16.norm(dim=-1).clamp_min(1e-30),
                            torch.zeros_like(rl))
     worst = head_err.max().item() if head_err.numel() else 0.0
@@ -536,19 +531,17 @@ def test_gpu_v2_tuning_configs(cfg, seed):
             check(q, cache, idx, config=dict(c, **extra))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_CONFIGS))))
-def test_gpu_v2_keys_m(cfg, seed):
-    """The KEYS_M kernel: H 1 / 8 / 16 (two head blocks) / 3, bf16 and fp16, split and not, edge
-    rows (empty, duplicates, out of range), a 4-d cache view."""
-    c = dict(v2.KEYS_M_CONFIGS[cfg])
-    need = v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True)
+def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for):
+    """The KEYS_M kernel's GPU cases under config ``c``: H 1 / 8 / 16 (two head blocks) / 3, bf16
+    and fp16, split and not, edge rows (empty, duplicates, out of range), through ``check``.
+    Skips where the device has less shared memory than ``shared_bytes``. Returns the last
+    (q, cache, indices) for extra checks."""
     optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
-    if need > optin:
-        pytest.skip(f"needs {need} B of shared memory, the device has {optin}")
+    if shared_bytes > optin:
+        pytest.skip(f"needs {shared_bytes} B of shared memory, the device has {optin}")
     nb, bs = 256, 64
     for dt in (torch.bfloat16, torch.float16):
-        cache = make_cache(nb, bs, dt, "cuda")
+        cache = make_cache_for(nb, bs, dt)
         for H, T in ((8, 1), (8, 37), (16, 4), (3, 5), (1, 2)):
             q = torch.randn((T, H, 576), device="cuda").to(dt)
             idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
@@ -557,45 +550,33 @@ def test_gpu_v2_keys_m(cfg, seed):
                 idx[2, :700] = 17
                 idx[4, 1000:] = nb * bs
             for ns in (None, 1, 7):
-                check(q, cache, idx, num_splits=ns, config=c)
-        check(q, cache.unsqueeze(2), idx, config=c)
+                check(q, cache, idx, num_splits=ns, config=c, kv_format=kv_format_for(dt))
+    return q, cache, idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_CONFIGS))))
+def test_gpu_v2_keys_m(cfg, seed):
+    """The KEYS_M kernel over fp8_ds_mla rows (``_gpu_keys_m_cases``), and a 4-d cache view."""
+    c = dict(v2.KEYS_M_CONFIGS[cfg])
+    q, cache, idx = _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True),
+                                      lambda nb, bs, dt: make_cache(nb, bs, dt, "cuda"), lambda dt: "fp8_ds_mla")
+    check(q, cache.unsqueeze(2), idx, config=c)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", list(range(len(v2.ROWS16_CONFIGS))))
 def test_gpu_v2_rows16(cfg, seed):
-    """KEYS_M over 16-bit rows (config ROWS16): bf16 and fp16 caches, H 1 / 8 / 16 / 3, splits,
-    edge rows, a 4-d view with a padded block stride; against the float64 reference of the
-    16-bit format (the rows are exact there: no rounding of K to account for)."""
+    """KEYS_M over 16-bit rows (config ROWS16; ``_gpu_keys_m_cases``): bf16 and fp16 caches as 4-d
+    views with a padded block stride, against the float64 reference of the 16-bit format (its rows
+    are exact: rounding them to q's dtype changes nothing)."""
     c = dict(v2.ROWS16_CONFIGS[cfg])
-    need = v2.shared_bytes_v2(c["BLOCK_N"], rows16=True)
-    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
-    if need > optin:
-        pytest.skip(f"needs {need} B of shared memory, the device has {optin}")
-    nb, bs = 256, 64
-    for dt in (torch.bfloat16, torch.float16):
-        padded = (torch.randn((nb, bs + 1, 1, 576 + 8), device="cuda") * 0.5).to(dt)
-        cache = padded[:, :bs, :, :576]
-        fmt = "bfloat16" if dt == torch.bfloat16 else "float16"
-        for H, T in ((8, 1), (8, 37), (16, 4), (3, 5), (1, 2)):
-            q = torch.randn((T, H, 576), device="cuda").to(dt)
-            idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
-            if T >= 5:
-                idx[1] = -1
-                idx[2, :700] = 17
-                idx[4, 1000:] = nb * bs
-            for ns in (None, 1, 7):
-                out = torch.full((T, H, 512), float("nan"), dtype=dt, device="cuda")
-                lse = torch.full((T, H), float("nan"), dtype=torch.float32, device="cuda")
-                v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, out=out, lse=lse, num_splits=ns, config=c,
-                                        fallback=False)
-                ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, fmt)
-                fin = torch.isfinite(rl)
-                assert torch.equal(torch.isfinite(lse), fin) and not torch.isnan(out).any()
-                rel = torch.where(fin, (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30),
-                                  torch.zeros_like(rl))
-                assert rel.max().item() < TOL_HEAD[dt], (H, T, ns, rel.max().item())
-                assert (lse.double()[fin] - rl[fin]).abs().max().item() < TOL_LSE[dt]
+
+    def padded_cache(nb, bs, dt):
+        return (torch.randn((nb, bs + 1, 1, 576 + 8), device="cuda") * 0.5).to(dt)[:, :bs, :, :576]
+
+    _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], rows16=True), padded_cache,
+                      lambda dt: "bfloat16" if dt == torch.bfloat16 else "float16")
 
 
 @pytest.mark.gpu
