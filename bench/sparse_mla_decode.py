@@ -310,7 +310,7 @@ def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> Non
     import torch
     from kernels.triton_sparse_mla_v2 import v2_unsupported_reason
 
-    why = v2_unsupported_reason(qs[0], fmt)
+    why = v2_unsupported_reason(qs[0], fmt, kv_cache=cache)
     if why is not None:
         rec["v2_skipped"] = why
         return

@@ -34,8 +34,10 @@ raw bytes go to a shared-memory ring by cp.async while the previous tile compute
 Gluon's ``mma_v2`` is mma.sync whatever ``DISABLE_MMA_V3`` says (that flag steers Triton's
 ``tl.dot`` lowering, which Gluon does not run).
 
-Scope: ``kv_format == "fp8_ds_mla"``, 1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability
-8.x, 9.x or 12.x, Triton with Gluon. Every other call goes to v1 (``sparse_mla_decode``) -- the
+Scope: ``kv_format == "fp8_ds_mla"``, and the bf16 / fp16 format (rows of q's dtype, the KEYS_M
+kernel with ``ROWS16``) where :func:`rows16_config` dispatches it (SM90, >= 32 query rows);
+1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability 8.x, 9.x or 12.x, Triton with Gluon.
+Every other call goes to v1 (``sparse_mla_decode``) -- the
 fallback is explicit: :func:`v2_unsupported_reason` says why for a given call, and
 ``sparse_mla_decode_v2(..., fallback=False)`` raises instead of falling back.
 
@@ -71,6 +73,7 @@ __all__ = [
     "sparse_mla_decode_reference",
     "v2_unsupported_reason",
     "pick_config_v2",
+    "rows16_config",
     "SM120_COMPILE_SPECS",
     "HAS_GLUON",
 ]
@@ -832,16 +835,37 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     return v2_kernel_config(cc_major)
 
 
+def rows16_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None:
+    """The ROWS16 configuration the dispatch runs for the bf16 / fp16 cache format, or ``None``
+    where that format stays on v1. Measured on the H100 (2026-12-06 session 3, 32k context, v1
+    against both ROWS16 configs on the same bf16 pool, us): H 8, T 32 / 128: v1 61.6 / 194.6,
+    BLOCK_N 32 (2 warps) 42.3 / 129.0, BLOCK_N 64 (4 warps) 41.8 / 116.6; H 16 (two head
+    blocks): v1 65.5 / 198.5, BLOCK_N 32 47.6 / 156.0, BLOCK_N 64 53.2 / 155.3. SM90 only (BLOCK_N
+    64 does not fit SM120's shared memory, and no SM120-occupancy run has ranked BLOCK_N 32 there),
+    from KEYS_M_MIN_TOKENS query rows as for fp8_ds_mla."""
+    if cc_major != 9 or not 1 <= num_heads <= 16 or num_tokens < ROWS16_MIN_TOKENS:
+        return None
+    return dict(ROWS16_CONFIGS[1] if num_heads <= 8 else ROWS16_CONFIGS[0], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
+
+
 def v2_kernel_config(cc_major: int) -> dict:
     """The default configuration of the 16-head-block kernel (``_sparse_mla_v2_kernel``)."""
     return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4, "DQ_VEC": 8,
             "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
-def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None) -> dict:
+def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None,
+                      kv_format: str = "fp8_ds_mla") -> dict:
     """The dispatch's configuration with ``config``'s keys on top. An override that does not set
     ``KEYS_M`` tunes the 16-head-block kernel: where the dispatch picked KEYS_M, it applies to that
-    kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles)."""
+    kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles).
+    16-bit rows (any ``kv_format`` but fp8_ds_mla) start from :func:`rows16_config` (or the first
+    ROWS16 config where the dispatch would not run them: an override asked for v2)."""
+    if kv_format != "fp8_ds_mla":
+        cfg = rows16_config(num_heads, cc_major, num_tokens) or dict(ROWS16_CONFIGS[0], QK_ACCS=4, SPLIT_OVERHEAD=2)
+        if config:
+            cfg.update(config)
+        return cfg
     cfg = dict(pick_config_v2(num_heads, cc_major, num_tokens))
     if config:
         if cfg.get("KEYS_M") and not config.get("KEYS_M"):
@@ -873,8 +897,10 @@ KEYS_M_CONFIGS = (
 )
 
 
-# KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, opt-in, not yet timed):
-# 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at BLOCK_N 64.
+# KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, dispatched by
+# rows16_config): 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at
+# BLOCK_N 64.
+ROWS16_MIN_TOKENS = KEYS_M_MIN_TOKENS  # T < 32 not measured against v1 for 16-bit rows
 ROWS16_CONFIGS = (
     {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "CTAS_PER_SM": 3},
     {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "CTAS_PER_SM": 1},
@@ -898,16 +924,22 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
     """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback). With
     ``kv_cache``, a cache whose rows are not 16-byte aligned (its 16-byte copies need them) goes to
     v1 too, which reads any alignment, instead of failing in v2's validation. 16-bit rows (the
-    bf16 / fp16 format) run in v2 only when ``config`` asks for ``ROWS16`` (not yet timed)."""
+    bf16 / fp16 format, of q's dtype) run in v2 where :func:`rows16_config` dispatches them (SM90,
+    <= 16 heads, >= ROWS16_MIN_TOKENS rows) or where ``config`` asks for ``ROWS16``."""
     if not HAS_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if kv_format != "fp8_ds_mla":
+    rows16 = kv_format != "fp8_ds_mla"
+    if rows16:
         try:
             code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
         except Exception as e:  # unknown name: v1 raises the clear error
             return f"kv_format {kv_format!r}: {e}"
-        if code != _v1._kvf.FMT_16BIT or not (config and config.get("ROWS16")):
-            return f"kv_format {kv_format!r}: v2 runs fp8_ds_mla, and 16-bit rows with config ROWS16 only"
+        if code != _v1._kvf.FMT_16BIT:
+            return f"kv_format {kv_format!r}: v2 runs fp8_ds_mla and 16-bit rows (ROWS16)"
+        if config and not config.get("ROWS16", True):
+            return f"kv_format {kv_format!r} with config ROWS16=False: 16-bit rows run v2 only as ROWS16"
+        if kv_cache is not None and kv_cache.dtype != q.dtype:
+            return f"16-bit rows of {kv_cache.dtype} with q of {q.dtype}: ROWS16 reads rows of q's dtype"
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
         return "q is not [T, H, 576]"
     h = q.shape[1] if num_heads is None else num_heads
@@ -924,6 +956,10 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
     major = _device_props(q.device)[0]
     if major not in _SUPPORTED_MAJORS:
         return f"compute capability {major}.x: v2 runs on 8.x, 9.x and 12.x"
+    if rows16 and not (config and config.get("ROWS16")) and rows16_config(
+            h, _v1._dispatch_major(major), q.shape[0]) is None:
+        return (f"16-bit rows at H = {h}, T = {q.shape[0]} on {major}.x: ROWS16 is dispatched on SM90 for <= 16 "
+                f"heads from {ROWS16_MIN_TOKENS} query rows (measured there), v1 elsewhere")
     return None
 
 
@@ -952,9 +988,9 @@ def _pick_splits(T: int, n_hb: int, n_tiles: int, num_sms: int, waves: float, mi
 
 
 def v2_num_splits(T: int, H: int, topk: int, cc_major: int, num_sms: int, config: dict | None = None,
-                  num_splits: int | None = None) -> int:
+                  num_splits: int | None = None, kv_format: str = "fp8_ds_mla") -> int:
     """The split count a v2 launch uses (after clamping; no empty split)."""
-    cfg = resolve_config_v2(H, cc_major, T, config)
+    cfg = resolve_config_v2(H, cc_major, T, config, kv_format)
     return _splits_for(cfg, T, triton.cdiv(H, cfg["BLOCK_H"]), max(1, triton.cdiv(topk, cfg["BLOCK_N"])),
                        num_sms, num_splits)
 
@@ -1030,7 +1066,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
         return p
     major, _, num_sms = _device_props(q.device)
     major = _v1._dispatch_major(major)  # GLM5_SPARSE_MLA_DISPATCH_CC: the SM120 proxy's configs
-    cfg = resolve_config_v2(H, major, T, config)
+    cfg = resolve_config_v2(H, major, T, config, kv_format)
     if rows16 != bool(cfg.get("ROWS16")) or (rows16 and not cfg.get("KEYS_M")):
         raise ValueError(f"kv_format {kv_format!r} with config ROWS16={cfg.get('ROWS16')}: 16-bit rows run the "
                          "KEYS_M kernel with ROWS16 (config), fp8_ds_mla rows never")
@@ -1188,12 +1224,15 @@ _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list[dict]:
     """Every v2 kernel configuration the dispatch can choose on a device of ``cc_major`` (or the
-    given ``configs``), for both q dtypes, split and not, plus the merge kernel."""
+    given ``configs``), for both q dtypes, split and not, plus the merge kernel (fp8_ds_mla's
+    :func:`pick_config_v2` and the 16-bit rows' :func:`rows16_config`)."""
     if configs is None:
         seen = {}
         for h in range(1, 17):
-            for t in (1, 4096):
-                c = pick_config_v2(h, cc_major, t)
+            for t, c in [(t, pick_config_v2(h, cc_major, t)) for t in (1, 4096)] + [
+                    (t, rows16_config(h, cc_major, t)) for t in (1, 4096)]:
+                if c is None:  # no 16-bit rows in v2 there
+                    continue
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
                       int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)))] = c

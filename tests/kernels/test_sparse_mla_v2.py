@@ -178,7 +178,7 @@ def test_v2_specs_cover_every_dispatch_config():
     any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
     names = {s["name"] for s in v2.SM120_COMPILE_SPECS()}
     # SM90 may pick a KEYS_M config: compiled for sm_90 by test_v2_keys_m_configs_compile_for_sm90
-    names |= {s["name"] for s in v2.compile_specs(9) if s["name"].startswith("sparse_mla_v2_km[")}
+    names |= {s["name"] for s in v2.compile_specs(9) if s["name"].startswith(("sparse_mla_v2_km[", "sparse_mla_v2_km16["))}
     km = [dict(c) for c in v2.KEYS_M_CONFIGS]
     for cc in (8, 9, 12):
         for h in range(1, 17):
@@ -195,6 +195,13 @@ def test_v2_specs_cover_every_dispatch_config():
                     assert cc == 9 and {k: c[k] for k in km[0]} in km, c
                 else:
                     assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
+                # 16-bit rows: SM90's ROWS16 configs (compiled by test_v2_keys_m_configs_compile_for_sm90)
+                c = v2.rows16_config(h, cc, t)
+                if c is not None:
+                    assert cc == 9 and {k: c[k] for k in v2.ROWS16_CONFIGS[0]} in [dict(x) for x in v2.ROWS16_CONFIGS]
+                    n = (f"sparse_mla_v2_km16[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},qa={c['QK_ACCS']},"
+                         f"dq={c['DQ_VEC']},sw=0,ring=2,qreg=0,split=1]")
+                    assert n in names, n
 
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
@@ -387,7 +394,7 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
 def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
     """KEYS_M over 16-bit rows (config ROWS16, the bf16 / fp16 cache format) against float64: the
     index conventions, splits, strided q / out / lse, a 4-d cache view with a padded block stride;
-    a 16-bit cache without ROWS16 and ROWS16 on an fp8_ds_mla cache are refused."""
+    a 16-bit cache with ROWS16=False and ROWS16 on an fp8_ds_mla cache are refused."""
     gen = torch.Generator().manual_seed(seed)
     nb, bs, T, topk = 8, 16, 5, 300
     cache = (torch.randn((nb, bs + 1, 1, 576 + 8), generator=gen) * 0.5).to(dtype)[:, :bs, :, :576]
@@ -398,19 +405,36 @@ def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
             _check_emulated(q, cache, idx, "bfloat16" if dtype == torch.bfloat16 else "float16", ns, cfg)
     assert emulated_v2.km.launches == 6
     with pytest.raises(ValueError, match="ROWS16"):
-        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", config=dict(v2.KEYS_M_CONFIGS[2]), fallback=False)
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "auto", config=dict(v2.KEYS_M_CONFIGS[2], ROWS16=False),
+                                fallback=False)
     with pytest.raises(ValueError, match="ROWS16"):
         v2.sparse_mla_decode_v2(q, _cpu_cache(nb, bs, dtype, gen), idx, SCALE, "fp8_ds_mla", config=cfg, fallback=False)
 
 
-def test_v2_rows16_is_opt_in():
-    """Without config ROWS16 a 16-bit cache goes to v1 (v2's 16-bit path is not yet timed)."""
+def test_v2_rows16_dispatch():
+    """16-bit rows run v2 (ROWS16) where they were measured faster than v1: SM90, 1..16 heads, from
+    ROWS16_MIN_TOKENS query rows, BLOCK_N 64 up to 8 heads and 32 above; v1 everywhere else. The
+    support check refuses what ROWS16 cannot read (fp8 rows, rows of another dtype than q's, an
+    explicit ROWS16=False)."""
+    n = v2.ROWS16_MIN_TOKENS
+    for h in range(1, 17):
+        c = v2.rows16_config(h, 9, n)
+        assert c["ROWS16"] and c["KEYS_M"] and c["BLOCK_N"] == (64 if h <= 8 else 32), (h, c)
+        assert {k: c[k] for k in v2.ROWS16_CONFIGS[0]} in [dict(x) for x in v2.ROWS16_CONFIGS]
+        assert v2.rows16_config(h, 9, n - 1) is None
+        assert v2.resolve_config_v2(h, 9, 4096, kv_format="bfloat16") == v2.rows16_config(h, 9, 4096)
+    for h, cc, t in ((17, 9, 4096), (8, 12, 4096), (8, 8, 4096), (16, 10, 4096)):
+        assert v2.rows16_config(h, cc, t) is None, (h, cc, t)
+    # an override on a shape the dispatch leaves to v1 starts from the first ROWS16 config
+    c = v2.resolve_config_v2(8, 12, 4, {"BLOCK_N": 64, "NUM_WARPS": 4}, kv_format="float16")
+    assert c["ROWS16"] and c["BLOCK_N"] == 64 and c["NUM_WARPS"] == 4
     q = torch.empty((1, 8, 576), dtype=torch.bfloat16)
-    assert "ROWS16" in v2.v2_unsupported_reason(q, "bfloat16")
-    assert "ROWS16" in v2.v2_unsupported_reason(q, "auto", config={"BLOCK_N": 32})
     assert "ROWS16" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS16": True})
-    r = v2.v2_unsupported_reason(q, "bfloat16", config={"ROWS16": True})
-    assert r is None or "ROWS16" not in r  # past the format check (CPU: "not a CUDA tensor")
+    assert "ROWS16" in v2.v2_unsupported_reason(q, "bfloat16", config={"ROWS16": False})
+    assert "dtype" in v2.v2_unsupported_reason(q, "bfloat16", kv_cache=torch.empty((2, 16, 576), dtype=torch.float16))
+    for cfg in (None, {"ROWS16": True}):
+        r = v2.v2_unsupported_reason(q, "bfloat16", config=cfg)
+        assert r is None or "CUDA" in r  # past the format checks (CPU: "not a CUDA tensor")
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
@@ -577,6 +601,32 @@ def test_gpu_v2_rows16(cfg, seed):
 
     _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], rows16=True), padded_cache,
                       lambda dt: "bfloat16" if dt == torch.bfloat16 else "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [8, 13])
+def test_gpu_v2_rows16_dispatch(H, seed):
+    """A bf16 cache without a config: from ROWS16_MIN_TOKENS rows the dispatch runs ROWS16 on SM90
+    (checked against float64, and that the plan is the KEYS_M kernel's), fewer rows and other
+    archs give v1's result exactly."""
+    major = torch.cuda.get_device_capability(0)[0]
+    nb, bs = 128, 64
+    cache = (torch.randn((nb, bs, 576), device="cuda") * 0.5).to(torch.bfloat16)
+    for T in (v2.ROWS16_MIN_TOKENS, v2.ROWS16_MIN_TOKENS - 1):
+        q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+        idx = torch.randint(-20, nb * bs + 20, (T, 2048), device="cuda", dtype=torch.int32)
+        runs_v2 = v2.rows16_config(H, v1._dispatch_major(major), T) is not None
+        assert (v2.v2_unsupported_reason(q, "bfloat16", kv_cache=cache) is None) == runs_v2
+        if runs_v2:
+            check(q, cache, idx, kv_format="bfloat16")
+            key = v1._plan_key(q, cache, idx, SCALE, "bfloat16", None, None, None, None)
+            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "bfloat16")
+            plan = v2._PLANS_V2[key]
+            assert type(plan) is v2._PlanV2 and plan.keys_m
+        else:
+            o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "bfloat16")
+            o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "bfloat16")
+            assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
 @pytest.mark.gpu
