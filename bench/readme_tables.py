@@ -29,10 +29,12 @@ from bench.sparse_mla_decode import DECODE_STEM, PREFILL_STEM, decode_table, pre
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
-SECTIONS = ("sparse-mla-decode", "sparse-mla-decode-tp", "sparse-mla-prefill")
+SECTIONS = ("sparse-mla-decode", "sparse-mla-decode-tp", "sparse-mla-prefill", "sparse-mla-prefill-h100")
 # TP8 / TP4 head counts (8, 16) after the v2 dispatch, run on the card the session was lent (an
 # H100 on 2026-12-06); kept apart from the H200 table above so no ratio mixes cards.
 TP_DECODE_STEM = "sparse_decode_h100_tp"
+# the prefill case after the v2 dispatch, same card rule (its FLASHMLA_SPARSE arm ran on that card)
+PREFILL_H100_STEM = "sparse_prefill_h100"
 
 
 def _commands(result: dict) -> list[str]:
@@ -86,7 +88,8 @@ def load(stem: str, results: Path = RESULTS) -> dict | None:
 def render_readme(text: str, results: Path = RESULTS) -> str:
     text = replace_section(text, "sparse-mla-decode", render_decode(load(DECODE_STEM, results)))
     text = replace_section(text, "sparse-mla-decode-tp", render_decode(load(TP_DECODE_STEM, results)))
-    return replace_section(text, "sparse-mla-prefill", render_prefill(load(PREFILL_STEM, results)))
+    text = replace_section(text, "sparse-mla-prefill", render_prefill(load(PREFILL_STEM, results)))
+    return replace_section(text, "sparse-mla-prefill-h100", render_prefill(load(PREFILL_H100_STEM, results)))
 
 
 def main(argv=None) -> int:

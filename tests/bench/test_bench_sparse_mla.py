@@ -266,7 +266,8 @@ def test_tables_and_readme_sections(tmp_path):
     (tmp_path / "sparse_prefill_h200.json").write_text(json.dumps(pre))
     readme = ("intro\n<!-- sparse-mla-decode:begin -->\nstale\n<!-- sparse-mla-decode:end -->\nmiddle\n"
               "<!-- sparse-mla-decode-tp:begin -->\n<!-- sparse-mla-decode-tp:end -->\n"
-              "<!-- sparse-mla-prefill:begin -->\n<!-- sparse-mla-prefill:end -->\nend\n")
+              "<!-- sparse-mla-prefill:begin -->\n<!-- sparse-mla-prefill:end -->\n"
+              "<!-- sparse-mla-prefill-h100:begin -->\n<!-- sparse-mla-prefill-h100:end -->\nend\n")
     out = RT.render_readme(readme, tmp_path)
     assert out.startswith("intro\n") and out.endswith("end\n") and "\nmiddle\n" in out and "stale" not in out
     assert "| fp8_ds_mla | 8 | 1 | v1 | 10.0 |" in out and "| fp8 | 8 | 1 |" not in out  # fp8_ds_mla rows only
