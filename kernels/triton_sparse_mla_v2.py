@@ -562,7 +562,7 @@ if HAS_GLUON:
     # The rows are the MMAs' operands as stored: cp.async copies each tile's four 128-wide latent
     # groups and its rope straight into a two-stage ring of ldmatrix-swizzled tiles, and S^T and
     # O^T read them there (no dequantization, two CTA barriers per tile). Also the kernel a prefill
-    # over a dequantized per-request workspace would run. Off by default (not yet timed).
+    # over a dequantized per-request workspace would run. Dispatched by rows16_config (SM90, >= 32 rows).
 
     @gluon.jit
     def _issue_tile16(kv_ptr, g0, g1, g2, g3, rp, sl_g, sl_r, num_slots, block_size, stride_kb, stride_ks,
