@@ -34,7 +34,8 @@ so it ranks configurations, it does not predict SM120 times.
 
 ``--rows16``: at the largest context, the same indices over a bf16 pool (1152-byte rows): v1 and
 each ``ROWS16_CONFIGS`` entry of v2, checked against float64 and timed (``bf16_us`` per record,
-``bf16_bytes`` the rows' bytes).
+``bf16_bytes`` the rows' bytes); ``--rows8`` the same over an fp8 pool (576-byte rows, per-tensor
+scale as a device tensor): v1 and each ``ROWS8_CONFIGS`` entry (``fp8_us``, ``fp8_bytes``).
 
 Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``, ``..._sm120occupancy.json`` with both; ``OUT``
 defaults to ``bench/results``) with the command,
@@ -312,26 +313,39 @@ def convention_checks(dev, v2cfg, failures, records):
 _POOL16 = {}
 
 
-def rows16_point(rec, sets, H, T, dev, failures, checks):
-    """The bf16 cache format (1152-byte rows) at the same indices: v1 and each ROWS16 config of
-    v2 (KEYS_M over 16-bit rows), checked once against float64, then timed like the rest."""
-    if "pool" not in _POOL16:  # same geometry as the fp8_ds_mla pool, so the indices carry over
+ROW_FORMATS = {  # --rows16 / --rows8: (record key prefix, bytes per row, v2 configs, their config flag)
+    "bfloat16": ("bf16", 1152, "ROWS16_CONFIGS", "rows16"),
+    "fp8": ("fp8", 576, "ROWS8_CONFIGS", "rows8"),
+}
+FP8_K_SCALE = 0.01  # the fp8 pool's per-tensor scale (a device tensor, as vLLM passes it)
+
+
+def rows_point(rec, sets, H, T, dev, failures, checks, fmt="bfloat16"):
+    """Another cache format at the same indices: the bf16 format (1152-byte rows: v1 and each
+    ROWS16 config of v2, KEYS_M over 16-bit rows) or the fp8 format (576-byte rows with a
+    per-tensor scale: v1 and each ROWS8 config), checked once against float64, then timed like the
+    rest; ``<key>_us`` per arm and ``<key>_bytes`` (KV bytes the point reads) in the record."""
+    key, row_bytes, table, flag = ROW_FORMATS[fmt]
+    if fmt not in _POOL16:  # same geometry as the fp8_ds_mla pool, so the indices carry over
         gen = torch.Generator(device=dev).manual_seed(5)
-        pool = torch.empty((POOL_TOKENS // BS, BS, 576), dtype=torch.bfloat16, device=dev)
+        dt = torch.bfloat16 if fmt == "bfloat16" else torch.uint8
+        pool = torch.empty((POOL_TOKENS // BS, BS, 576), dtype=dt, device=dev)
         flat = pool.view(-1, 576)
         for s0 in range(0, POOL_TOKENS, 1 << 17):
-            flat[s0:s0 + (1 << 17)] = (torch.randn((min(1 << 17, POOL_TOKENS - s0), 576), generator=gen,
-                                                   device=dev) * 0.5).to(torch.bfloat16)
-        _POOL16["pool"] = pool
-    pool = _POOL16["pool"]
+            x = torch.randn((min(1 << 17, POOL_TOKENS - s0), 576), generator=gen, device=dev)
+            flat[s0:s0 + (1 << 17)] = ((x * 0.5).to(torch.bfloat16) if fmt == "bfloat16"
+                                       else (x * 60).to(torch.float8_e4m3fn).view(torch.uint8))
+        _POOL16[fmt] = pool
+    pool = _POOL16[fmt]
+    ks = torch.full((1,), FP8_K_SCALE, dtype=torch.float32, device=dev) if fmt == "fp8" else None
     optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
     q, idx, out, lse = sets[0]
-    ro, rl = v1.sparse_mla_decode_reference(q, pool, idx, SCALE, "bfloat16")
-    calls = {"v1": lambda s, c=None: v1.sparse_mla_decode(s[0], pool, s[1], SCALE, "bfloat16", out=s[2], lse=s[3])}
-    for c in v2.ROWS16_CONFIGS:
-        if v2.shared_bytes_v2(c["BLOCK_N"], rows16=True) <= optin:
-            calls[f"rows16_BN{c['BLOCK_N']}_w{c['NUM_WARPS']}"] = (
-                lambda s, c=c: v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "bfloat16", out=s[2], lse=s[3],
+    ro, rl = v1.sparse_mla_decode_reference(q, pool, idx, SCALE, fmt, ks)
+    calls = {"v1": lambda s, c=None: v1.sparse_mla_decode(s[0], pool, s[1], SCALE, fmt, ks, out=s[2], lse=s[3])}
+    for c in getattr(v2, table):
+        if v2.shared_bytes_v2(c["BLOCK_N"], ring=c.get("RING", 2), keys_m=True, **{flag: True}) <= optin:
+            calls[f"{flag}_BN{c['BLOCK_N']}_w{c['NUM_WARPS']}"] = (
+                lambda s, c=c: v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, fmt, ks, out=s[2], lse=s[3],
                                                        config=dict(c), fallback=False))
     res = {}
     for name, fn in calls.items():
@@ -344,14 +358,14 @@ def rows16_point(rec, sets, H, T, dev, failures, checks):
             probs.append(f"per-head relative error {err:.3e} >= {TOL_HEAD[q.dtype]}")
         if lerr >= TOL_LSE[q.dtype]:
             probs.append(f"lse error {lerr:.3e} >= {TOL_LSE[q.dtype]}")
-        checks.append({"check": f"bf16 {name} H={H} T={T}", "head_rel_err": err, "lse_abs_err": lerr,
+        checks.append({"check": f"{key} {name} H={H} T={T}", "head_rel_err": err, "lse_abs_err": lerr,
                        "ok": not probs, "problems": probs})
         if probs:
-            failures.append(f"bf16 {name} H={H} T={T}: {'; '.join(probs)}")
+            failures.append(f"{key} {name} H={H} T={T}: {'; '.join(probs)}")
             continue
         res[name] = time_graph([(lambda s=s, fn=fn: fn(s)) for s in sets])
-    rec["bf16_us"] = res
-    rec["bf16_bytes"] = T * TOPK * 1152
+    rec[f"{key}_us"] = res
+    rec[f"{key}_bytes"] = T * TOPK * row_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,6 +385,8 @@ def main(argv=None) -> int:
                          "leaves it as many CTAs per SM as SM120's 100 KB would (timing only)")
     ap.add_argument("--rows16", action="store_true",
                     help="also time the bf16 cache format at the largest context: v1 against v2's ROWS16 configs")
+    ap.add_argument("--rows8", action="store_true",
+                    help="also time the fp8 cache format at the largest context: v1 against v2's ROWS8 configs")
     ap.add_argument("--sweep-all-t", action="store_true",
                     help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
     args = ap.parse_args(argv)
@@ -552,7 +568,9 @@ def main(argv=None) -> int:
                                 k = min(sweep, key=sweep.get)
                                 rec["v2_best_sweep"] = {"config": k, "us": sweep[k]}
                         if args.rows16 and ctx == max(ctxs) and reason is None:
-                            rows16_point(rec, sets, H, T, dev, failures, checks)
+                            rows_point(rec, sets, H, T, dev, failures, checks, "bfloat16")
+                        if args.rows8 and ctx == max(ctxs) and reason is None:
+                            rows_point(rec, sets, H, T, dev, failures, checks, "fp8")
                         best = None
                         for bn, nw, mult in ((32, 4, 4), (16, 4, 8), (64, 8, 2)):
                             splits = max(1, min(64, triton.cdiv(mult * sms, T)))

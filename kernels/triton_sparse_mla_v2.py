@@ -184,6 +184,34 @@ if HAS_GLUON:
         sc = sc_c.slice(3, 1, dim=1).load(L_DQ)
         k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
 
+    # fp8 rows (the ``fp8`` format, KEYS_M with ROWS8): 512 e4m3 latent bytes then 64 e4m3 rope
+    # bytes, one per-tensor scale outside the row. The ring keeps the raw latent and the raw rope;
+    # both are converted to q's dtype unscaled (e4m3 is exact in bf16 and fp16) and the scale is
+    # folded into the softmax scale and the output, as in v1.
+
+    @gluon.jit
+    def _issue_tile8(kv_ptr, lat_buf, r8_buf, sl_lat, sl_r8, num_slots, block_size, stride_kb, stride_ks,
+                     L_LAT: gl.constexpr, L_R8: gl.constexpr):
+        """cp.async one tile of fp8 rows into one ring stage: 512 latent bytes, 64 rope bytes."""
+        v, r = _rows(sl_lat, num_slots, block_size, stride_kb, stride_ks)
+        cl = gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT))
+        cp.async_copy_global_to_shared(lat_buf, kv_ptr + r[:, None] + cl[None, :], mask=v[:, None])
+        v, r = _rows(sl_r8, num_slots, block_size, stride_kb, stride_ks)
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_R8))
+        cp.async_copy_global_to_shared(r8_buf, kv_ptr + r[:, None] + 512 + c64[None, :], mask=v[:, None])
+
+    @gluon.jit
+    def _dequant_fp8(lat_c, r8_c, k0, k1, k2, k3, rpk, L_DQ: gl.constexpr, L_R8: gl.constexpr,
+                     DT: gl.constexpr):
+        """A ring stage's fp8 bytes -> the four 16-bit latent tiles and the 16-bit rope tile
+        (e4m3 -> q's dtype, unscaled)."""
+        GROUP: gl.constexpr = 128
+        k0.store(lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
+        k1.store(lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
+        k2.store(lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
+        k3.store(lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
+        rpk.store(r8_c.load(L_R8).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
+
     @gluon.jit
     def _q_op(q_smem, q_ops, j: gl.constexpr, Q_REGS: gl.constexpr, OP_A: gl.constexpr):
         """q's A operand of K-chunk ``j`` (0-7: latent columns 64j.., 8: the rope): from the
@@ -514,8 +542,10 @@ if HAS_GLUON:
                  lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, s_smem, qt,
                  nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
                  BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-                 DQ_VEC: gl.constexpr, RING: gl.constexpr):
-        """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state."""
+                 DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False):
+        """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state.
+        ``ROWS8`` (fp8 rows): ``sc_*`` are the ring's raw rope stages, ``rp_c`` / ``rp_n`` the one
+        16-bit rope tile they are converted into, ``nl_sc`` / ``nl_rp`` both the rope copies' slots."""
         GROUP: gl.constexpr = 128
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
@@ -528,18 +558,37 @@ if HAS_GLUON:
         L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 // (GROUP // DQ_VEC), GROUP // DQ_VEC],
                                               [NUM_WARPS, 1], [1, 0])
+        L_R8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
 
-        nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
+        if ROWS8:
+            nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
+            nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_R8))
+            nn_rp = nn_sc
+        else:
+            nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, ROW_M)
 
         cp.wait_group(0)
         _cta_barrier()
-        if RING == 2:
-            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
-                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-
-        _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
-        _cta_barrier()
+        if ROWS8:
+            if RING == 2:
+                if has_next:
+                    _issue_tile8(kv_ptr, lat_n, sc_n, nl_lat, nl_sc, num_slots, block_size, stride_kb, stride_ks,
+                                 L_LAT, L_R8)
+                cp.commit_group()
+            _dequant_fp8(lat_c, sc_c, k0, k1, k2, k3, rp_c, L_DQ, L_R8, DT)
+            _cta_barrier()
+            if RING == 1:  # the raw stage is converted: refill it now (S^T reads the 16-bit tiles)
+                if has_next:
+                    _issue_tile8(kv_ptr, lat_n, sc_n, nl_lat, nl_sc, num_slots, block_size, stride_kb, stride_ks,
+                                 L_LAT, L_R8)
+                cp.commit_group()
+        else:
+            if RING == 2:
+                _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+            _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
+            _cta_barrier()
 
         # S^T = K q^T: each warp's 16 keys against the 8 heads, one accumulator per 128-group
         s = _km_scores(k0, k1, k2, k3, rp_c, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
@@ -549,7 +598,7 @@ if HAS_GLUON:
         valid = (vs >= 0) & (vs < num_slots)
         s_smem.store(gl.where(valid[:, None], s * qk_scale_log2, float("-inf")))
         _cta_barrier()
-        if RING == 1:  # every warp's S^T (which read the rope from the stage) is done
+        if RING == 1 and not ROWS8:  # every warp's S^T (which read the rope from the stage) is done
             _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
                     stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
         m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
@@ -630,6 +679,7 @@ if HAS_GLUON:
         stride_ot, stride_oh, stride_od,
         stride_lt, stride_lh,
         num_splits, tiles_per_split,
+        v_scale, kscale_ptr,
         SPLIT: gl.constexpr,
         BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -640,11 +690,16 @@ if HAS_GLUON:
         RING: gl.constexpr = 1,
         Q_REGS: gl.constexpr = 0,
         ROWS16: gl.constexpr = False,
+        ROWS8: gl.constexpr = False,
+        KSCALE_FROM_PTR: gl.constexpr = False,
     ):
         """The KEYS_M kernel: the same parameters as ``_sparse_mla_v2_kernel`` (one plan and launch
         path; QK_ACCS / S_SWIZZLE / Q_REGS are not used: 4 accumulators, q^T always in registers),
         BLOCK_H 8 (mma.sync's N), BLOCK_N = 16 x NUM_WARPS. ``ROWS16``: the cache holds 16-bit rows
-        (bf16 / fp16 of q's dtype, 1152 B): a two-stage ring of the rows as they are (RING unused)."""
+        (bf16 / fp16 of q's dtype, 1152 B): a two-stage ring of the rows as they are (RING unused).
+        ``ROWS8``: the cache holds fp8 rows (576 B, e4m3 x one per-tensor scale: ``v_scale``, or the
+        fp32 at ``kscale_ptr`` with KSCALE_FROM_PTR; ``qk_scale_log2`` then excludes it); the other
+        formats pass ``v_scale`` 1.0 and any pointer."""
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
         DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -669,6 +724,17 @@ if HAS_GLUON:
             gb2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
             gb3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
             rpb = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        elif ROWS8:  # raw latent + raw rope per stage; the rope converted into one 16-bit tile
+            lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+            sc_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 64], SH_PLAIN)
+            rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+            if RING == 2:
+                lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
+                sc_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 64], SH_PLAIN)
+            else:
+                lat_b = lat_a
+                sc_b = sc_a
+            rp_b = rp_a
         else:
             lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
             sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
@@ -681,6 +747,7 @@ if HAS_GLUON:
                 lat_b = lat_a
                 sc_b = sc_a
                 rp_b = rp_a
+        if not ROWS16:  # the 16-bit K tiles both MMAs read
             k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
             k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
             k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
@@ -706,6 +773,11 @@ if HAS_GLUON:
               gl.load(qb + 384 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 448 * stride_qd, mask=qmask, other=0.0),
               gl.load(qb + 512 * stride_qd, mask=qmask, other=0.0))
 
+        if ROWS8 and KSCALE_FROM_PTR:  # fp8's per-tensor scale, read on the device (graph-safe)
+            ks = gl.load(kscale_ptr)
+            qk_scale_log2 = qk_scale_log2 * ks
+            v_scale = ks
+
         n_tiles = gl.maximum(gl.cdiv(topk, BLOCK_N), 1)
         tile_lo = sp * tiles_per_split
         n_t = gl.minimum(tiles_per_split, n_tiles - tile_lo)
@@ -722,6 +794,17 @@ if HAS_GLUON:
             cp.commit_group()
             nl_g = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_G)
             nl_r = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
+            vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
+        elif ROWS8:
+            L_R8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
+            _issue_tile8(kv_ptr, lat_a, sc_a,
+                         _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, gl.SliceLayout(1, L_LAT)),
+                         _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, gl.SliceLayout(1, L_R8)),
+                         num_slots, block_size, stride_kb, stride_ks, L_LAT, L_R8)
+            cp.commit_group()
+            nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
+            nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, gl.SliceLayout(1, L_R8))
+            nl_rp = nl_sc
             vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         else:
             nl_lat, nl_sc, nl_rp = _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim,
@@ -755,21 +838,24 @@ if HAS_GLUON:
                     qk_scale_log2, i + 1 < n_t,
                     lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8)
                 if i + 1 < n_t:
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
                         kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                         qk_scale_log2, i + 2 < n_t,
                         lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
                         nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING)
+                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8)
         cp.wait_group(0)
 
         # ---- epilogue: O^T [dims, heads] -> out[t, h, dims] ------------------------------------
         l_o = gl.convert_layout(l_i, COL_M)
         m_o = gl.convert_layout(m_i, COL_M)
         has = l_o > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
+        if ROWS8:  # the per-tensor scale of V
+            inv = gl.where(has, v_scale / gl.where(has, l_o, 1.0), 0.0)
+        else:
+            inv = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
         lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
         offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL_M)
         hmask = offs_h < num_heads
@@ -862,7 +948,10 @@ def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: di
     16-bit rows (any ``kv_format`` but fp8_ds_mla) start from :func:`rows16_config` (or the first
     ROWS16 config where the dispatch would not run them: an override asked for v2)."""
     if kv_format != "fp8_ds_mla":
-        cfg = rows16_config(num_heads, cc_major, num_tokens) or dict(ROWS16_CONFIGS[0], QK_ACCS=4, SPLIT_OVERHEAD=2)
+        if _v1._kvf.resolve_kv_format(kv_format, torch.bfloat16).code == _v1._kvf.FMT_FP8:
+            cfg = dict(ROWS8_CONFIGS[0], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)  # opt-in (config ROWS8)
+        else:
+            cfg = rows16_config(num_heads, cc_major, num_tokens) or dict(ROWS16_CONFIGS[0], QK_ACCS=4, SPLIT_OVERHEAD=2)
         if config:
             cfg.update(config)
         return cfg
@@ -907,12 +996,24 @@ ROWS16_CONFIGS = (
 )
 
 
+# KEYS_M over fp8 rows (the ``fp8`` format, 576 B: e4m3 x one per-tensor scale; config ROWS8,
+# opt-in until timed): the ring holds the raw rows, the latent and the rope are converted once into
+# 16-bit tiles. 56,320 B at BLOCK_N 32 / RING 1 (four CTAs per SM on SM90, one on SM120),
+# 112,640 B at BLOCK_N 64 / RING 1 (two on SM90).
+ROWS8_CONFIGS = (
+    {"KEYS_M": True, "ROWS8": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "RING": 1, "CTAS_PER_SM": 4},
+    {"KEYS_M": True, "ROWS8": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
+)
+
+
 def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2, keys_m: bool = False,
-                    rows16: bool = False) -> int:
+                    rows16: bool = False, rows8: bool = False) -> int:
     """Shared memory the kernel allocates explicitly: the ring ``ring`` x (512 + 16 + 64*elem) B per
     row, the 16-bit K tile, q and the fp32 S tile (KEYS_M: no q tile, q^T lives in registers)."""
     if rows16:  # two stages of 576 16-bit values per row, the S^T tile
         return 2 * block_n * 576 * elem + block_n * 8 * 4
+    if rows8:  # ring x 576 raw bytes per row, the 16-bit latent and rope tiles, the S^T tile
+        return ring * block_n * 576 + block_n * 576 * elem + block_n * 8 * 4
     if keys_m:
         return ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_n * 8 * 4
     return (ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
@@ -934,11 +1035,13 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
             code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
         except Exception as e:  # unknown name: v1 raises the clear error
             return f"kv_format {kv_format!r}: {e}"
-        if code != _v1._kvf.FMT_16BIT:
-            return f"kv_format {kv_format!r}: v2 runs fp8_ds_mla and 16-bit rows (ROWS16)"
-        if config and not config.get("ROWS16", True):
+        if code == _v1._kvf.FMT_FP8:
+            if not (config and config.get("ROWS8")):
+                return f"kv_format {kv_format!r}: fp8 rows run v2 only with config ROWS8 (not yet timed)"
+            rows16 = False
+        elif config and not config.get("ROWS16", True):
             return f"kv_format {kv_format!r} with config ROWS16=False: 16-bit rows run v2 only as ROWS16"
-        if kv_cache is not None and kv_cache.dtype != q.dtype:
+        elif kv_cache is not None and kv_cache.dtype != q.dtype:
             return f"16-bit rows of {kv_cache.dtype} with q of {q.dtype}: ROWS16 reads rows of q's dtype"
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
         return "q is not [T, H, 576]"
@@ -1010,6 +1113,7 @@ class _PlanV2:
     """A validated, planned v2 call: what a later call with the same key launches directly."""
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
+                 "v_scale", "kscale_from_ptr",
                  "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
 
 
@@ -1019,7 +1123,7 @@ _PLANS_V2: dict = {}
 
 
 def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
-             kv_format: str = "fp8_ds_mla") -> _PlanV2:
+             kv_format: str = "fp8_ds_mla", k_scale=None) -> _PlanV2:
     """Validate a supported call (``ValueError`` on bad arguments) and plan its launch."""
     T, H, _ = q.shape
     kv = kv_cache
@@ -1027,10 +1131,28 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
         if kv.shape[2] != 1:
             raise ValueError(f"kv_cache with 4 dims must be [num_blocks, block_size, 1, W], got {tuple(kv.shape)}")
         kv = kv.squeeze(2)
-    rows16 = kv_format != "fp8_ds_mla"
+    code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
+    rows16 = code == _v1._kvf.FMT_16BIT
+    rows8 = code == _v1._kvf.FMT_FP8
+    # fp8's per-tensor scale (as v1 takes it): a host float folds into the softmax scale and the
+    # output scale here, a one-element fp32 tensor is read by the kernel
+    kscale_from_ptr, v_scale, qk_scale = False, 1.0, float(softmax_scale) * _LOG2E
+    if rows8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
+                raise ValueError("k_scale tensor must hold one float32 on q's device")
+            kscale_from_ptr = True
+        elif k_scale is not None:
+            v_scale = float(k_scale)
+            qk_scale *= v_scale
     if rows16:  # 16-bit rows of q's dtype (v2_unsupported_reason let only those through)
         if kv.dim() != 3 or kv.shape[2] != HEAD_DIM or kv.dtype != q.dtype:
             raise ValueError(f"{kv_format} kv_cache must be [num_blocks, block_size, {HEAD_DIM}] of {q.dtype}, "
+                             f"got {tuple(kv.shape)} {kv.dtype}")
+    elif rows8:
+        if kv.dim() != 3 or kv.shape[2] != HEAD_DIM or kv.element_size() != 1 or kv.dtype not in (
+                torch.uint8, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"fp8 kv_cache must be [num_blocks, block_size, {HEAD_DIM}] of a 1-byte dtype, "
                              f"got {tuple(kv.shape)} {kv.dtype}")
     else:
         if kv.dim() != 3 or kv.shape[2] != DS_ROW_BYTES:
@@ -1067,9 +1189,11 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     major, _, num_sms = _device_props(q.device)
     major = _v1._dispatch_major(major)  # GLM5_SPARSE_MLA_DISPATCH_CC: the SM120 proxy's configs
     cfg = resolve_config_v2(H, major, T, config, kv_format)
-    if rows16 != bool(cfg.get("ROWS16")) or (rows16 and not cfg.get("KEYS_M")):
-        raise ValueError(f"kv_format {kv_format!r} with config ROWS16={cfg.get('ROWS16')}: 16-bit rows run the "
-                         "KEYS_M kernel with ROWS16 (config), fp8_ds_mla rows never")
+    if rows16 != bool(cfg.get("ROWS16")) or rows8 != bool(cfg.get("ROWS8")) or (
+            (rows16 or rows8) and not cfg.get("KEYS_M")):
+        raise ValueError(f"kv_format {kv_format!r} with config ROWS16={cfg.get('ROWS16')} ROWS8={cfg.get('ROWS8')}: "
+                         "16-bit rows run the KEYS_M kernel with ROWS16, fp8 rows with ROWS8 (config), "
+                         "fp8_ds_mla rows with neither")
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
     if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
         raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
@@ -1081,7 +1205,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
     lst = lse.stride() if lse is not None else (H, 1)
     p.grid = (T * n_hb * p.num_splits,)
-    p.tail = (float(softmax_scale) * _LOG2E, H, topk, num_slots, block_size,
+    p.tail = (qk_scale, H, topk, num_slots, block_size,
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0) * esz, kv.stride(1) * esz,
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
@@ -1089,8 +1213,11 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
     p.keys_m = bool(cfg.get("KEYS_M", False))
-    if p.keys_m:  # the KEYS_M kernel's last parameter
+    p.v_scale, p.kscale_from_ptr = v_scale, kscale_from_ptr
+    if p.keys_m:  # the KEYS_M kernel's last parameters
         consts["ROWS16"] = rows16
+        consts["ROWS8"] = rows8
+        consts["KSCALE_FROM_PTR"] = kscale_from_ptr
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
@@ -1104,7 +1231,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     return p
 
 
-def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False):
+def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None):
     T, H = p.T, p.H
     if out is None:
         out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
@@ -1131,8 +1258,13 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         else:
             pp, plp = op, lp  # unused by the kernel
         stream = _v1._raw_stream(p.dev_index)
-        k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-              q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, *p.consts)
+        if p.keys_m:  # + the fp8 scale's two parameters (any valid pointer when unused)
+            k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, p.v_scale,
+                  k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.consts)
+        else:
+            k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, *p.consts)
         if split:
             m = p.merge_kernel
             m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
@@ -1146,8 +1278,11 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         plse = torch.empty((T, H, p.num_splits), dtype=torch.float32, device=q.device)
     else:
         po, plse = out, lse  # unused
-    kern = _sparse_mla_v2_km_kernel if p.keys_m else _sparse_mla_v2_kernel
-    k = kern[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
+    if p.keys_m:
+        k = _sparse_mla_v2_km_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, p.v_scale,
+                                             k_scale if p.kscale_from_ptr else lse, **p.meta)
+    else:
+        k = _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
     m = None
     if split:
         # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
@@ -1192,7 +1327,7 @@ def sparse_mla_decode_v2(
         if key is not None:
             p = _PLANS_V2.get(key)
             if type(p) is _PlanV2:
-                return _launch_v2(p, q, kv_cache, indices, out, lse)
+                return _launch_v2(p, q, kv_cache, indices, out, lse, k_scale=k_scale)
             if p is not None:  # a key v2 does not take: v1's plan, launched as v1 launches it
                 return _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
     reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache, config=config)
@@ -1207,12 +1342,12 @@ def sparse_mla_decode_v2(
         if v1_plan is not None:
             _v1.remember_plan(_PLANS_V2, key, v1_plan)
         return res
-    p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config, kv_format)
+    p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config, kv_format, k_scale)
     if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")
     if key is not None:
         _v1.remember_plan(_PLANS_V2, key, p)
-    return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda)
+    return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda, k_scale=k_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1245,6 +1380,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             qreg = int(c.get("Q_REGS", 0))
             km = bool(c.get("KEYS_M"))
             r16 = bool(c.get("ROWS16"))
+            r8 = bool(c.get("ROWS8"))
             for qdt, qt in _PTR_TYPES.items():
                 for split in (False, True):
                     sig = {
@@ -1257,18 +1393,22 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
                         "stride_lt": "i32", "stride_lh": "constexpr",
                         "num_splits": "i32", "tiles_per_split": "i32",
+                    }
+                    if km:  # the KEYS_M kernel's fp8 scale (runtime parameters, before the constexprs)
+                        sig.update({"v_scale": "fp32", "kscale_ptr": "*fp32"})
+                    sig.update({
                         "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
                         "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
                         "S_SWIZZLE": "constexpr", "RING": "constexpr", "Q_REGS": "constexpr",
-                    }
+                    })
                     cx = {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
                           "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
                           "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring, "Q_REGS": qreg}
-                    if km:  # the KEYS_M kernel's extra parameter
-                        sig["ROWS16"] = "constexpr"
-                        cx["ROWS16"] = r16
+                    if km:  # the KEYS_M kernel's extra constexprs
+                        sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr"})
+                        cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8})
                     specs.append({
-                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km' if km else ''}[{str(qdt).split('.')[-1]},"
+                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_km' if km else ''}[{str(qdt).split('.')[-1]},"
                                  f"BH={bh},BN={bn},w={nw},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}]"),
                         "fn": _sparse_mla_v2_km_kernel if c.get("KEYS_M") else _sparse_mla_v2_kernel,

@@ -127,7 +127,7 @@ print(json.dumps(rows))
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 def test_v2_keys_m_configs_compile_for_sm90():
-    """The KEYS_M kernel's configurations (fp8_ds_mla and 16-bit rows) compile for sm_90 without
+    """The KEYS_M kernel's configurations (fp8_ds_mla, 16-bit and fp8 rows) compile for sm_90 without
     spills (q^T's 72 registers included) and use the shared memory accounted for (two CTAs per SM
     at BLOCK_N 64 / RING 1)."""
     code = r'''
@@ -136,20 +136,23 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
 import sm120_check
 from kernels import triton_sparse_mla_v2 as m
 rows = []
-for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS:
+for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS + m.ROWS8_CONFIGS:
     for s in m.compile_specs(9, [dict(m.pick_config_v2(8, 9, 64), **c)]):
-        if s["name"].startswith(("sparse_mla_v2_km[bfloat16", "sparse_mla_v2_km16[bfloat16")):
+        if s["name"].startswith(("sparse_mla_v2_km[bfloat16", "sparse_mla_v2_km16[bfloat16",
+                                 "sparse_mla_v2_km8[bfloat16")):
             assert s["fn"] is m._sparse_mla_v2_km_kernel
             r = sm120_check.compile_spec(s, 90)
-            r.update(name=s["name"], ring=c.get("RING", 2), bn=c["BLOCK_N"], rows16=bool(c.get("ROWS16")))
+            r.update(name=s["name"], ring=c.get("RING", 2), bn=c["BLOCK_N"], rows16=bool(c.get("ROWS16")),
+                     rows8=bool(c.get("ROWS8")))
             rows.append(r)
 print(json.dumps(rows))
 '''
     rows = _run_compiled(code)
-    assert len(rows) == 2 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS))
+    assert len(rows) == 2 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS) + len(v2.ROWS8_CONFIGS))
     for row in rows:
         assert row["stack"] == 0 and row["local"] == 0, row
-        assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True, rows16=row["rows16"]), row
+        assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True, rows16=row["rows16"],
+                                                   rows8=row["rows8"]), row
     assert v2.shared_bytes_v2(64, ring=1, keys_m=True) * 2 <= 232448  # two CTAs per SM on SM90
 
 
@@ -235,7 +238,7 @@ print(json.dumps(res))
 
 def test_v2_fallback_is_explicit():
     q = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
-    assert v2.v2_unsupported_reason(q, "fp8") is not None and "fp8_ds_mla" in v2.v2_unsupported_reason(q, "fp8")
+    assert v2.v2_unsupported_reason(q, "fp8") is not None and "ROWS8" in v2.v2_unsupported_reason(q, "fp8")
     assert "heads" in v2.v2_unsupported_reason(torch.zeros((2, 32, 576), dtype=torch.bfloat16), "fp8_ds_mla")
     # a cache whose rows are not 16-byte aligned goes to v1 (which reads any alignment)
     q8 = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
@@ -315,16 +318,16 @@ def _edge_batch(gen, nb, bs, T, H, topk, dtype, dup):
     return q, idx
 
 
-def _check_emulated(q, cache, idx, kv_format, ns, config=None):
+def _check_emulated(q, cache, idx, kv_format, ns, config=None, k_scale=None):
     """One emulated call into poisoned strided fp32 out / lse, against float64: no NaN left, row 1
     (empty) zeros and -inf, the same finite rows, per-head and lse bounds of q's dtype."""
     T, H, _ = q.shape
-    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format)
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, k_scale)
     fin = torch.isfinite(rl)
     out = torch.empty((H, T, 512), dtype=torch.float32).transpose(0, 1).fill_(float("nan"))
     lse = torch.empty((H, T), dtype=torch.float32).t().fill_(float("nan"))
-    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, out=out, lse=lse, num_splits=ns, config=config,
-                            fallback=False)
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, k_scale=k_scale, out=out, lse=lse, num_splits=ns,
+                            config=config, fallback=False)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
     assert torch.equal(torch.isfinite(lse), fin)
@@ -411,6 +414,32 @@ def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
         v2.sparse_mla_decode_v2(q, _cpu_cache(nb, bs, dtype, gen), idx, SCALE, "fp8_ds_mla", config=cfg, fallback=False)
 
 
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("cfg", list(range(len(v2.ROWS8_CONFIGS))))
+def test_emulated_v2_rows8(emulated_v2, cfg, seed):
+    """KEYS_M over fp8 rows (config ROWS8, the ``fp8`` format: 576 e4m3 bytes, one per-tensor
+    scale) against float64: the index conventions, splits, strided q / out / lse, a 4-d cache view
+    with a padded block stride, the scale as a host float and as a device tensor; fp8 rows with
+    ROWS8=False and ROWS8 on another format are refused."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    raw = (torch.randn((nb, bs + 1, 1, 576 + 16), generator=gen) * 60).to(torch.float8_e4m3fn).view(torch.uint8)
+    cache = raw[:, :bs, :, :576]
+    c = v2.ROWS8_CONFIGS[cfg]
+    for H in (1, 8, 11):
+        q, idx = _edge_batch(gen, nb, bs, T, H, topk, torch.float16, dup=160)
+        for ns, ks in ((1, 0.0123), (3, torch.tensor([0.02])), (2, None)):
+            _check_emulated(q, cache, idx, "fp8", ns, c, k_scale=ks)
+    assert emulated_v2.km.launches == 9
+    with pytest.raises(ValueError, match="ROWS8"):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8", config=dict(c, ROWS8=False), fallback=False)
+    with pytest.raises(ValueError, match="ROWS8"):
+        v2.sparse_mla_decode_v2(q, _cpu_cache(nb, bs, torch.float16, gen), idx, SCALE, "fp8_ds_mla", config=c,
+                                fallback=False)
+    with pytest.raises(ValueError, match="k_scale"):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8", torch.tensor([1.0, 2.0]), config=c, fallback=False)
+
+
 def test_v2_rows16_dispatch():
     """16-bit rows run v2 (ROWS16) where they were measured faster than v1: SM90, 1..16 heads, from
     ROWS16_MIN_TOKENS query rows, BLOCK_N 64 up to 8 heads and 32 above; v1 everywhere else. The
@@ -429,9 +458,13 @@ def test_v2_rows16_dispatch():
     c = v2.resolve_config_v2(8, 12, 4, {"BLOCK_N": 64, "NUM_WARPS": 4}, kv_format="float16")
     assert c["ROWS16"] and c["BLOCK_N"] == 64 and c["NUM_WARPS"] == 4
     q = torch.empty((1, 8, 576), dtype=torch.bfloat16)
-    assert "ROWS16" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS16": True})
+    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS16": True})
     assert "ROWS16" in v2.v2_unsupported_reason(q, "bfloat16", config={"ROWS16": False})
     assert "dtype" in v2.v2_unsupported_reason(q, "bfloat16", kv_cache=torch.empty((2, 16, 576), dtype=torch.float16))
+    # fp8 rows: v2 only with config ROWS8 (not yet timed)
+    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8") and "ROWS8" in v2.v2_unsupported_reason(q, "fp8_e4m3")
+    r = v2.v2_unsupported_reason(q, "fp8", config=dict(v2.ROWS8_CONFIGS[0]))
+    assert r is None or "CUDA" in r
     for cfg in (None, {"ROWS16": True}):
         r = v2.v2_unsupported_reason(q, "bfloat16", config=cfg)
         assert r is None or "CUDA" in r  # past the format checks (CPU: "not a CUDA tensor")
@@ -470,7 +503,7 @@ def make_cache(nb, bs, dtype, device, scale_format="arbitrary_fp32"):
     return cache
 
 
-def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_format="fp8_ds_mla"):
+def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_format="fp8_ds_mla", k_scale=None):
     T, H, _ = q.shape
     if out is None:
         out = torch.empty((T, H, 512), dtype=q.dtype, device=q.device)
@@ -478,10 +511,10 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_fo
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     out.fill_(float("nan"))  # poison
     lse.fill_(float("nan"))
-    o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, out=out, lse=lse, num_splits=num_splits,
+    o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, kv_format, k_scale, out=out, lse=lse, num_splits=num_splits,
                                    config=config, fallback=False)
     assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
-    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format)
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, k_scale)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
     kv = cache if cache.dim() == 3 else cache.squeeze(2)
     empty = ~((idx >= 0) & (idx < kv.shape[0] * kv.shape[1])).any(dim=1)
@@ -492,7 +525,9 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_fo
     # the kernel's tensor-core operands are. Against exact float64, rounding K alone moves a head
     # with peaked logits by up to ~3e-2 (seen on the H100 with v1 and v2 alike: 3.05e-2 at H 16,
     # T 128, random data; 2.64e-2 here at H 5, T 64): the kernel's own error is what this bounds.
-    r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, round_kv_to=q.dtype)
+    # (fp8 rows: the kernel converts e4m3 exactly and scales S and O in fp32, so its K is exact)
+    r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, k_scale,
+                                            round_kv_to=None if kv_format == "fp8" else q.dtype)
     head_err = torch.where(fin, (out.double() - r16).norm(dim=-1) / r16.norm(dim=-1).clamp_min(1e-30),
                            torch.zeros_like(rl))
     worst = head_err.max().item() if head_err.numel() else 0.0
@@ -555,7 +590,7 @@ def test_gpu_v2_tuning_configs(cfg, seed):
             check(q, cache, idx, config=dict(c, **extra))
 
 
-def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for):
+def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for, k_scale=None):
     """The KEYS_M kernel's GPU cases under config ``c``: H 1 / 8 / 16 (two head blocks) / 3, bf16
     and fp16, split and not, edge rows (empty, duplicates, out of range), through ``check``.
     Skips where the device has less shared memory than ``shared_bytes``. Returns the last
@@ -574,7 +609,7 @@ def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for):
                 idx[2, :700] = 17
                 idx[4, 1000:] = nb * bs
             for ns in (None, 1, 7):
-                check(q, cache, idx, num_splits=ns, config=c, kv_format=kv_format_for(dt))
+                check(q, cache, idx, num_splits=ns, config=c, kv_format=kv_format_for(dt), k_scale=k_scale)
     return q, cache, idx
 
 
@@ -601,6 +636,23 @@ def test_gpu_v2_rows16(cfg, seed):
 
     _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], rows16=True), padded_cache,
                       lambda dt: "bfloat16" if dt == torch.bfloat16 else "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.ROWS8_CONFIGS))))
+def test_gpu_v2_rows8(cfg, seed):
+    """KEYS_M over fp8 rows (config ROWS8; ``_gpu_keys_m_cases``): 4-d views with a padded block
+    stride, the per-tensor scale as a device tensor (as vLLM passes it), then as a host float."""
+    c = dict(v2.ROWS8_CONFIGS[cfg])
+
+    def fp8_cache(nb, bs, dt):
+        raw = (torch.randn((nb, bs + 1, 1, 576 + 16), device="cuda") * 60).to(torch.float8_e4m3fn)
+        return raw.view(torch.uint8)[:, :bs, :, :576]
+
+    ks = torch.full((1,), 0.013, dtype=torch.float32, device="cuda")
+    q, cache, idx = _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], rows8=True), fp8_cache,
+                                      lambda dt: "fp8", k_scale=ks)
+    check(q, cache, idx, config=c, kv_format="fp8", k_scale=0.013)
 
 
 @pytest.mark.gpu
