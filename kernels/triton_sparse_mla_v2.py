@@ -34,9 +34,9 @@ raw bytes go to a shared-memory ring by cp.async while the previous tile compute
 Gluon's ``mma_v2`` is mma.sync whatever ``DISABLE_MMA_V3`` says (that flag steers Triton's
 ``tl.dot`` lowering, which Gluon does not run).
 
-Scope: ``kv_format == "fp8_ds_mla"``, and the bf16 / fp16 format (rows of q's dtype, the KEYS_M
-kernel with ``ROWS16``) where :func:`rows16_config` dispatches it (SM90, >= 32 query rows);
-1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability 8.x, 9.x or 12.x, Triton with Gluon.
+Scope: ``kv_format == "fp8_ds_mla"``; the bf16 / fp16 format (rows of q's dtype, the KEYS_M
+kernel with ``ROWS16``) and the fp8 format (KEYS_M with ``ROWS8``) where :func:`rows16_config` /
+:func:`rows8_config` dispatch them (SM90, >= 4 query rows); 1 <= H <= 16, bf16/fp16 q, CUDA device of compute capability 8.x, 9.x or 12.x, Triton with Gluon.
 Every other call goes to v1 (``sparse_mla_decode``) -- the
 fallback is explicit: :func:`v2_unsupported_reason` says why for a given call, and
 ``sparse_mla_decode_v2(..., fallback=False)`` raises instead of falling back.
@@ -74,6 +74,7 @@ __all__ = [
     "v2_unsupported_reason",
     "pick_config_v2",
     "rows16_config",
+    "rows8_config",
     "SM120_COMPILE_SPECS",
     "HAS_GLUON",
 ]
@@ -924,20 +925,43 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
 def rows16_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None:
     """The ROWS16 configuration the dispatch runs for the bf16 / fp16 cache format, or ``None``
     where that format stays on v1. Measured on the H100 (2026-12-06 session 3, 32k context, v1
-    against both ROWS16 configs on the same bf16 pool, us): H 8, T 32 / 128: v1 61.6 / 194.6,
-    BLOCK_N 32 (2 warps) 42.3 / 129.0, BLOCK_N 64 (4 warps) 41.8 / 116.6; H 16 (two head
-    blocks): v1 65.5 / 198.5, BLOCK_N 32 47.6 / 156.0, BLOCK_N 64 53.2 / 155.3. SM90 only (BLOCK_N
-    64 does not fit SM120's shared memory, and no SM120-occupancy run has ranked BLOCK_N 32 there),
-    from KEYS_M_MIN_TOKENS query rows as for fp8_ds_mla."""
+    against both ROWS16 configs on the same bf16 pool, us; ``bench/results/sparse_mla_v2_h100_rows.json``):
+    H 8, T 4 / 32 / 128: v1 17.8 / 61.3 / 194.6, BLOCK_N 32 (2 warps) 13.4 / 42.2 / 129.2, BLOCK_N 64
+    (4 warps) 13.2 / 41.8 / 116.8; H 16 (two head blocks): v1 18.9 / 65.5 / 198.3, BLOCK_N 32 14.1 /
+    47.6 / 156.0, BLOCK_N 64 13.6 / 53.0 / 155.0. SM90 only (BLOCK_N 64 does not fit SM120's shared
+    memory; KEYS_M with one 2-warp CTA per SM lost to the 16-head kernel under the SM120-occupancy
+    proxy), from ROWS16_MIN_TOKENS query rows (T 1-3 not measured)."""
     if cc_major != 9 or not 1 <= num_heads <= 16 or num_tokens < ROWS16_MIN_TOKENS:
         return None
     return dict(ROWS16_CONFIGS[1] if num_heads <= 8 else ROWS16_CONFIGS[0], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
 
 
+def rows8_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None:
+    """The ROWS8 configuration the dispatch runs for the fp8 cache format (576-byte rows, one
+    per-tensor scale), or ``None`` where it stays on v1. Measured on the H100 (same run as
+    :func:`rows16_config`, an fp8 pool with the scale as a device tensor, us): H 8, T 4 / 32 / 128:
+    v1 17.0 / 64.6 / 185.2, BLOCK_N 32 (2 warps) 12.3 / 32.1 / 86.5, BLOCK_N 64 (4 warps) 12.1 / 31.2 /
+    88.0; H 16: v1 18.0 / 68.7 / 189.4, BLOCK_N 32 15.8 / 44.6 / 147.3, BLOCK_N 64 15.0 / 45.8 / 129.5
+    (fp8_ds_mla's v2 in the same run: 12.5 / 37.4 / 102.6 at H 8, 13.8 / 42.8 / 137.2 at H 16).
+    BLOCK_N 64 everywhere (within 2% of the best at 8 heads, 12% faster at 16 heads / T 128);
+    SM90 only, from ROWS8_MIN_TOKENS query rows (T 1-3 not measured)."""
+    if cc_major != 9 or not 1 <= num_heads <= 16 or num_tokens < ROWS8_MIN_TOKENS:
+        return None
+    return dict(ROWS8_CONFIGS[1], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
+
+
 def v2_kernel_config(cc_major: int) -> dict:
-    """The default configuration of the 16-head-block kernel (``_sparse_mla_v2_kernel``)."""
+    """The default configuration of the 16-head-block kernel (``_sparse_mla_v2_kernel``).
+
+    SM12x holds q's first two K-chunks in registers (``Q_REGS`` 2): under the SM120-occupancy proxy
+    (H100, mma.sync, one CTA per SM as SM120's 100 KB allow;
+    ``bench/results/sparse_mla_v2_h100_sm120occupancy.json``) it took 0.97-0.99x the time without at
+    every point (H 8 / 16, T 4 / 32 / 128; 151.2 against 154.6 us at H 8, T 128), where on the H100
+    at its own occupancy it had measured 0.96-1.04x. The KEYS_M kernel (one 2-warp CTA per SM there)
+    took 1.2-2.3x."""
     return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4, "DQ_VEC": 8,
-            "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
+            "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2,
+            "Q_REGS": 2 if cc_major == 12 else 0}
 
 
 def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None,
@@ -949,7 +973,8 @@ def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: di
     ROWS16 config where the dispatch would not run them: an override asked for v2)."""
     if kv_format != "fp8_ds_mla":
         if _v1._kvf.resolve_kv_format(kv_format, torch.bfloat16).code == _v1._kvf.FMT_FP8:
-            cfg = dict(ROWS8_CONFIGS[0], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)  # opt-in (config ROWS8)
+            cfg = rows8_config(num_heads, cc_major, num_tokens) or dict(ROWS8_CONFIGS[0], QK_ACCS=4, DQ_VEC=16,
+                                                                        SPLIT_OVERHEAD=2)
         else:
             cfg = rows16_config(num_heads, cc_major, num_tokens) or dict(ROWS16_CONFIGS[0], QK_ACCS=4, SPLIT_OVERHEAD=2)
         if config:
@@ -989,7 +1014,7 @@ KEYS_M_CONFIGS = (
 # KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, dispatched by
 # rows16_config): 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at
 # BLOCK_N 64.
-ROWS16_MIN_TOKENS = KEYS_M_MIN_TOKENS  # T < 32 not measured against v1 for 16-bit rows
+ROWS16_MIN_TOKENS = 4  # measured faster than v1 at T = 4 / 32 / 128 (T 1-3 not measured)
 ROWS16_CONFIGS = (
     {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "CTAS_PER_SM": 3},
     {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "CTAS_PER_SM": 1},
@@ -997,9 +1022,10 @@ ROWS16_CONFIGS = (
 
 
 # KEYS_M over fp8 rows (the ``fp8`` format, 576 B: e4m3 x one per-tensor scale; config ROWS8,
-# opt-in until timed): the ring holds the raw rows, the latent and the rope are converted once into
+# dispatched by rows8_config): the ring holds the raw rows, the latent and the rope are converted once into
 # 16-bit tiles. 56,320 B at BLOCK_N 32 / RING 1 (four CTAs per SM on SM90, one on SM120),
 # 112,640 B at BLOCK_N 64 / RING 1 (two on SM90).
+ROWS8_MIN_TOKENS = 4  # measured faster than v1 at T = 4 / 32 / 128 (T 1-3 not measured)
 ROWS8_CONFIGS = (
     {"KEYS_M": True, "ROWS8": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "RING": 1, "CTAS_PER_SM": 4},
     {"KEYS_M": True, "ROWS8": True, "BLOCK_H": 8, "BLOCK_N": 64, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
@@ -1026,18 +1052,21 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
     ``kv_cache``, a cache whose rows are not 16-byte aligned (its 16-byte copies need them) goes to
     v1 too, which reads any alignment, instead of failing in v2's validation. 16-bit rows (the
     bf16 / fp16 format, of q's dtype) run in v2 where :func:`rows16_config` dispatches them (SM90,
-    <= 16 heads, >= ROWS16_MIN_TOKENS rows) or where ``config`` asks for ``ROWS16``."""
+    <= 16 heads, >= ROWS16_MIN_TOKENS rows) or where ``config`` asks for ``ROWS16``; fp8 rows
+    likewise through :func:`rows8_config` or config ``ROWS8``."""
     if not HAS_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     rows16 = kv_format != "fp8_ds_mla"
+    rows8 = False
     if rows16:
         try:
             code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
         except Exception as e:  # unknown name: v1 raises the clear error
             return f"kv_format {kv_format!r}: {e}"
-        if code == _v1._kvf.FMT_FP8:
-            if not (config and config.get("ROWS8")):
-                return f"kv_format {kv_format!r}: fp8 rows run v2 only with config ROWS8 (not yet timed)"
+        rows8 = code == _v1._kvf.FMT_FP8
+        if rows8:
+            if config and not config.get("ROWS8", True):
+                return f"kv_format {kv_format!r} with config ROWS8=False: fp8 rows run v2 only as ROWS8"
             rows16 = False
         elif config and not config.get("ROWS16", True):
             return f"kv_format {kv_format!r} with config ROWS16=False: 16-bit rows run v2 only as ROWS16"
@@ -1063,6 +1092,10 @@ def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None
             h, _v1._dispatch_major(major), q.shape[0]) is None:
         return (f"16-bit rows at H = {h}, T = {q.shape[0]} on {major}.x: ROWS16 is dispatched on SM90 for <= 16 "
                 f"heads from {ROWS16_MIN_TOKENS} query rows (measured there), v1 elsewhere")
+    if rows8 and not (config and config.get("ROWS8")) and rows8_config(
+            h, _v1._dispatch_major(major), q.shape[0]) is None:
+        return (f"fp8 rows at H = {h}, T = {q.shape[0]} on {major}.x: ROWS8 is dispatched on SM90 for <= 16 "
+                f"heads from {ROWS8_MIN_TOKENS} query rows (measured there), v1 elsewhere")
     return None
 
 
@@ -1365,12 +1398,14 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
         seen = {}
         for h in range(1, 17):
             for t, c in [(t, pick_config_v2(h, cc_major, t)) for t in (1, 4096)] + [
-                    (t, rows16_config(h, cc_major, t)) for t in (1, 4096)]:
+                    (t, rows16_config(h, cc_major, t)) for t in (1, 4096)] + [
+                    (t, rows8_config(h, cc_major, t)) for t in (1, 4096)]:
                 if c is None:  # no 16-bit rows in v2 there
                     continue
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
-                      int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)))] = c
+                      int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)),
+                      bool(c.get("ROWS8", False)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:

@@ -105,7 +105,7 @@ def test_v2_arm_says_why_it_did_not_run():
     assert "v2_us" not in rec and rec["v2_skipped"]
     rec = {}
     B.v2_arm(rec, [q], None, [None], "fp8", [None], [None], None, rep=1)
-    assert "ROWS8" in rec["v2_skipped"] or "Gluon" in rec["v2_skipped"]
+    assert "CUDA" in rec["v2_skipped"] or "Gluon" in rec["v2_skipped"]
 
 
 def test_merge_bytes_fixed():

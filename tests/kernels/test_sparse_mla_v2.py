@@ -100,14 +100,15 @@ print(json.dumps(sm120_check.compile_spec(spec, int(sys.argv[2]))))
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 def test_v2_tuning_configs_compile_for_sm90(tmp_path):
-    """The configurations the benchmark and the GPU tests force (TUNING_CONFIGS) compile for sm_90
-    within its 227 KB of shared memory, without spills, and use the shared memory accounted for."""
+    """The configurations the benchmark and the GPU tests force (TUNING_CONFIGS) and the 16-head
+    kernel's SM8x / SM90 default (SM120's differs: Q_REGS 2) compile for sm_90 within its 227 KB of
+    shared memory, without spills, and use the shared memory accounted for."""
     code = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
 import sm120_check
 from kernels import triton_sparse_mla_v2 as m
-cfgs = [dict(c, BLOCK_H=16) for c in m.TUNING_CONFIGS]
+cfgs = [dict(c, BLOCK_H=16) for c in m.TUNING_CONFIGS] + [m.v2_kernel_config(9)]  # + SM8x/SM90's default
 rows = []
 for s in m.compile_specs(9, cfgs):
     if s["name"].startswith("sparse_mla_v2[bfloat16"):
@@ -117,7 +118,7 @@ for s in m.compile_specs(9, cfgs):
 print(json.dumps(rows))
 '''
     rows = _run_compiled(code)
-    assert len(rows) == 2 * len(v2.TUNING_CONFIGS)
+    assert len(rows) == 2 * (len(v2.TUNING_CONFIGS) + 1)
     for row in rows:
         print(row)
         bn = int(row["name"].split("BN=")[1].split(",")[0])
@@ -181,7 +182,11 @@ def test_v2_specs_cover_every_dispatch_config():
     any H the v2 path takes, on SM120 and SM90, is compiled by SM120_COMPILE_SPECS."""
     names = {s["name"] for s in v2.SM120_COMPILE_SPECS()}
     # SM90 may pick a KEYS_M config: compiled for sm_90 by test_v2_keys_m_configs_compile_for_sm90
-    names |= {s["name"] for s in v2.compile_specs(9) if s["name"].startswith(("sparse_mla_v2_km[", "sparse_mla_v2_km16["))}
+    names |= {s["name"] for s in v2.compile_specs(9) if s["name"].startswith(("sparse_mla_v2_km[", "sparse_mla_v2_km16[",
+                                                                               "sparse_mla_v2_km8["))}
+    # SM8x / SM90's 16-head default: compiled for sm_90 by test_v2_tuning_configs_compile_for_sm90
+    names |= {s["name"] for s in v2.compile_specs(9, [v2.v2_kernel_config(9)])}
+    assert v2.v2_kernel_config(8) == v2.v2_kernel_config(12) | {"CTAS_PER_SM": 1, "Q_REGS": 0}
     km = [dict(c) for c in v2.KEYS_M_CONFIGS]
     for cc in (8, 9, 12):
         for h in range(1, 17):
@@ -198,13 +203,16 @@ def test_v2_specs_cover_every_dispatch_config():
                     assert cc == 9 and {k: c[k] for k in km[0]} in km, c
                 else:
                     assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
-                # 16-bit rows: SM90's ROWS16 configs (compiled by test_v2_keys_m_configs_compile_for_sm90)
-                c = v2.rows16_config(h, cc, t)
-                if c is not None:
-                    assert cc == 9 and {k: c[k] for k in v2.ROWS16_CONFIGS[0]} in [dict(x) for x in v2.ROWS16_CONFIGS]
-                    n = (f"sparse_mla_v2_km16[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},qa={c['QK_ACCS']},"
-                         f"dq={c['DQ_VEC']},sw=0,ring=2,qreg=0,split=1]")
-                    assert n in names, n
+                # 16-bit and fp8 rows: SM90's ROWS16 / ROWS8 configs (compiled by
+                # test_v2_keys_m_configs_compile_for_sm90)
+                for rule, table, tag in ((v2.rows16_config, v2.ROWS16_CONFIGS, "km16"),
+                                         (v2.rows8_config, v2.ROWS8_CONFIGS, "km8")):
+                    c = rule(h, cc, t)
+                    if c is not None:
+                        assert cc == 9 and {k: c[k] for k in table[0]} in [dict(x) for x in table]
+                        n = (f"sparse_mla_v2_{tag}[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},qa={c['QK_ACCS']},"
+                             f"dq={c['DQ_VEC']},sw=0,ring={c.get('RING', 2)},qreg=0,split=1]")
+                        assert n in names, n
 
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
@@ -238,7 +246,8 @@ print(json.dumps(res))
 
 def test_v2_fallback_is_explicit():
     q = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
-    assert v2.v2_unsupported_reason(q, "fp8") is not None and "ROWS8" in v2.v2_unsupported_reason(q, "fp8")
+    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS8": False})
+    assert "no_such_format" in v2.v2_unsupported_reason(q, "no_such_format")
     assert "heads" in v2.v2_unsupported_reason(torch.zeros((2, 32, 576), dtype=torch.bfloat16), "fp8_ds_mla")
     # a cache whose rows are not 16-byte aligned goes to v1 (which reads any alignment)
     q8 = torch.zeros((2, 8, 576), dtype=torch.bfloat16)
@@ -442,9 +451,9 @@ def test_emulated_v2_rows8(emulated_v2, cfg, seed):
 
 def test_v2_rows16_dispatch():
     """16-bit rows run v2 (ROWS16) where they were measured faster than v1: SM90, 1..16 heads, from
-    ROWS16_MIN_TOKENS query rows, BLOCK_N 64 up to 8 heads and 32 above; v1 everywhere else. The
-    support check refuses what ROWS16 cannot read (fp8 rows, rows of another dtype than q's, an
-    explicit ROWS16=False)."""
+    ROWS16_MIN_TOKENS query rows, BLOCK_N 64 up to 8 heads and 32 above; fp8 rows (ROWS8) from
+    ROWS8_MIN_TOKENS rows with BLOCK_N 64; v1 everywhere else. The support check refuses what
+    ROWS16 cannot read (rows of another dtype than q's) and explicit ROWS16=False / ROWS8=False."""
     n = v2.ROWS16_MIN_TOKENS
     for h in range(1, 17):
         c = v2.rows16_config(h, 9, n)
@@ -458,13 +467,22 @@ def test_v2_rows16_dispatch():
     c = v2.resolve_config_v2(8, 12, 4, {"BLOCK_N": 64, "NUM_WARPS": 4}, kv_format="float16")
     assert c["ROWS16"] and c["BLOCK_N"] == 64 and c["NUM_WARPS"] == 4
     q = torch.empty((1, 8, 576), dtype=torch.bfloat16)
-    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS16": True})
     assert "ROWS16" in v2.v2_unsupported_reason(q, "bfloat16", config={"ROWS16": False})
     assert "dtype" in v2.v2_unsupported_reason(q, "bfloat16", kv_cache=torch.empty((2, 16, 576), dtype=torch.float16))
-    # fp8 rows: v2 only with config ROWS8 (not yet timed)
-    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8") and "ROWS8" in v2.v2_unsupported_reason(q, "fp8_e4m3")
-    r = v2.v2_unsupported_reason(q, "fp8", config=dict(v2.ROWS8_CONFIGS[0]))
-    assert r is None or "CUDA" in r
+    # fp8 rows: ROWS8 from ROWS8_MIN_TOKENS rows on SM90, BLOCK_N 64; ROWS8=False refused
+    n8 = v2.ROWS8_MIN_TOKENS
+    for h in range(1, 17):
+        c = v2.rows8_config(h, 9, n8)
+        assert c["ROWS8"] and c["KEYS_M"] and c["BLOCK_N"] == 64 and {k: c[k] for k in v2.ROWS8_CONFIGS[1]} == dict(
+            v2.ROWS8_CONFIGS[1]), (h, c)
+        assert v2.rows8_config(h, 9, n8 - 1) is None
+        assert v2.resolve_config_v2(h, 9, 4096, kv_format="fp8_e4m3") == v2.rows8_config(h, 9, 4096)
+    for h, cc, t in ((17, 9, 4096), (8, 12, 4096), (8, 8, 4096)):
+        assert v2.rows8_config(h, cc, t) is None, (h, cc, t)
+    assert "ROWS8" in v2.v2_unsupported_reason(q, "fp8", config={"ROWS8": False})
+    for fmt, cfg in (("fp8", None), ("fp8_e4m3", dict(v2.ROWS8_CONFIGS[0]))):
+        r = v2.v2_unsupported_reason(q, fmt, config=cfg)
+        assert r is None or "CUDA" in r  # past the format checks
     for cfg in (None, {"ROWS16": True}):
         r = v2.v2_unsupported_reason(q, "bfloat16", config=cfg)
         assert r is None or "CUDA" in r  # past the format checks (CPU: "not a CUDA tensor")
@@ -657,27 +675,31 @@ def test_gpu_v2_rows8(cfg, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [8, 13])
-def test_gpu_v2_rows16_dispatch(H, seed):
-    """A bf16 cache without a config: from ROWS16_MIN_TOKENS rows the dispatch runs ROWS16 on SM90
-    (checked against float64, and that the plan is the KEYS_M kernel's), fewer rows and other
-    archs give v1's result exactly."""
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+def test_gpu_v2_rows_dispatch(H, fmt, seed):
+    """A bf16 / fp8 cache without a config: from ROWS16_MIN_TOKENS / ROWS8_MIN_TOKENS rows the
+    dispatch runs ROWS16 / ROWS8 on SM90 (checked against float64, and that the plan is the KEYS_M
+    kernel's), fewer rows and other archs give v1's result exactly."""
     major = torch.cuda.get_device_capability(0)[0]
     nb, bs = 128, 64
-    cache = (torch.randn((nb, bs, 576), device="cuda") * 0.5).to(torch.bfloat16)
-    for T in (v2.ROWS16_MIN_TOKENS, v2.ROWS16_MIN_TOKENS - 1):
+    x = torch.randn((nb, bs, 576), device="cuda")
+    cache = (x * 0.5).to(torch.bfloat16) if fmt == "bfloat16" else (x * 60).to(torch.float8_e4m3fn).view(torch.uint8)
+    ks = None if fmt == "bfloat16" else torch.full((1,), 0.011, dtype=torch.float32, device="cuda")
+    rule, n = (v2.rows16_config, v2.ROWS16_MIN_TOKENS) if fmt == "bfloat16" else (v2.rows8_config, v2.ROWS8_MIN_TOKENS)
+    for T in (n, n - 1, 37):
         q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
         idx = torch.randint(-20, nb * bs + 20, (T, 2048), device="cuda", dtype=torch.int32)
-        runs_v2 = v2.rows16_config(H, v1._dispatch_major(major), T) is not None
-        assert (v2.v2_unsupported_reason(q, "bfloat16", kv_cache=cache) is None) == runs_v2
+        runs_v2 = rule(H, v1._dispatch_major(major), T) is not None
+        assert (v2.v2_unsupported_reason(q, fmt, kv_cache=cache) is None) == runs_v2
         if runs_v2:
-            check(q, cache, idx, kv_format="bfloat16")
-            key = v1._plan_key(q, cache, idx, SCALE, "bfloat16", None, None, None, None)
-            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "bfloat16")
+            check(q, cache, idx, kv_format=fmt, k_scale=ks)
+            key = v1._plan_key(q, cache, idx, SCALE, fmt, ks, None, None, None)
+            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, ks)
             plan = v2._PLANS_V2[key]
             assert type(plan) is v2._PlanV2 and plan.keys_m
         else:
-            o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, "bfloat16")
-            o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "bfloat16")
+            o1, l1 = v1.sparse_mla_decode(q, cache, idx, SCALE, fmt, ks)
+            o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, ks)
             assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 

@@ -325,8 +325,8 @@ class TritonMLASparseImpl(
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # v2 (Gluon: one staging of each KV tile, cp.async ring) for fp8_ds_mla with <= 16
-        # heads (TP8 / TP4) on SM8x/SM9x/SM12x, and for the bf16 cache on SM90 from 32 query
-        # rows (ROWS16); every other call goes to v1 inside it.
+        # heads (TP8 / TP4) on SM8x/SM9x/SM12x, and for the bf16 and fp8 caches on SM90 from 4
+        # query rows (ROWS16 / ROWS8); every other call goes to v1 inside it.
         from vllm.v1.attention.ops.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
         if isinstance(q, tuple):
