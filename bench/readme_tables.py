@@ -87,7 +87,8 @@ def load(stem: str, results: Path = RESULTS) -> dict | None:
 
 def render_readme(text: str, results: Path = RESULTS) -> str:
     text = replace_section(text, "sparse-mla-decode", render_decode(load(DECODE_STEM, results)))
-    text = replace_section(text, "sparse-mla-decode-tp", render_decode(load(TP_DECODE_STEM, results)))
+    text = replace_section(text, "sparse-mla-decode-tp", render_decode(load(TP_DECODE_STEM, results),
+                                                                        ("fp8_ds_mla", "bfloat16", "fp8")))
     text = replace_section(text, "sparse-mla-prefill", render_prefill(load(PREFILL_STEM, results)))
     return replace_section(text, "sparse-mla-prefill-h100", render_prefill(load(PREFILL_H100_STEM, results)))
 

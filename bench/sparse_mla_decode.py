@@ -294,17 +294,17 @@ def n_sets_for(H: int, T: int, fmt: str, l2_bytes: int) -> int:
     return max(2, min(64, math.ceil(3 * l2_bytes / bytes_moved(H, T, fmt))))
 
 
-def v2_fn(q, cache, idx, fmt, out, lse):
-    """The Gluon v2 kernel (H <= 16, fp8_ds_mla; what TRITON_MLA_SPARSE dispatches there), its
-    own split policy, no fallback to v1 (an unsupported call raises)."""
+def v2_fn(q, cache, idx, fmt, out, lse, k_scale=None):
+    """The Gluon v2 kernel (H <= 16; what TRITON_MLA_SPARSE dispatches there), its own split
+    policy, no fallback to v1 (an unsupported call raises)."""
     from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
     def f():
-        return sparse_mla_decode_v2(q, cache, idx, SOFTMAX_SCALE, fmt, out=out, lse=lse, fallback=False)
+        return sparse_mla_decode_v2(q, cache, idx, SOFTMAX_SCALE, fmt, k_scale, out=out, lse=lse, fallback=False)
     return f
 
 
-def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> None:
+def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int, k_scale=None) -> None:
     """v2 beside v1 and FlashMLA at the same point (``v2_us``, ``v2_rel_err``; ``v2_skipped``: why
     not), so one run gives the numbers a v2 dispatch rule needs."""
     import torch
@@ -315,7 +315,7 @@ def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> Non
         rec["v2_skipped"] = why
         return
     try:
-        fns = [v2_fn(qs[i], cache, idx_sets[i], fmt, outs[i], lses[i]) for i in range(len(qs))]
+        fns = [v2_fn(qs[i], cache, idx_sets[i], fmt, outs[i], lses[i], k_scale) for i in range(len(qs))]
         outs[0].fill_(float("nan"))
         lses[0].fill_(float("nan"))
         fns[0]()
@@ -324,7 +324,7 @@ def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int) -> Non
         rec["v2_us"] = common.time_graph(fns, rep)
         from kernels.triton_sparse_mla_v2 import _PLANS_V2, _v1
 
-        key = _v1._plan_key(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, None, outs[0], lses[0], None)
+        key = _v1._plan_key(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt, k_scale, outs[0], lses[0], None)
         plan = _PLANS_V2.get(key)
         rec["v2_num_splits"] = plan.num_splits if plan is not None else None
         rec["v2_config"] = {k: v for k, v in plan.meta.items() if k != "maxnreg"} if plan is not None else None
@@ -418,7 +418,7 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
             rec["us_" + m] = common.time_graph(fns, args.rep)
         rec["rel_err_" + plan.merge] = rec["rel_err"]
         rec["merge_bytes"] = merge_bytes(H, T, plan.tail[-2], plan.meta["BLOCK_H"])
-    v2_arm(rec, qs, cache, idx_sets, fmt, outs, lses, ro, args.rep)
+    v2_arm(rec, qs, cache, idx_sets, fmt, outs, lses, ro, args.rep, k_scale)
     # host cost per eager call as the backend makes it (outputs allocated by the call)
     rec["host_us_v1"] = common.host_us(ours_fn(qs[0], cache, idx_sets[0], fmt, k_scale, config=config,
                                                num_splits=num_splits), calls=args.host_calls)
@@ -426,8 +426,8 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
     if rec.get("v2_us") and config is None and num_splits is None:
         from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
-        rec["host_us"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt),
-                                        calls=args.host_calls)
+        rec["host_us"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt,
+                                                                     k_scale), calls=args.host_calls)
     words = cache.view(torch.int32).reshape(-1, ROW_BYTES[fmt] // 4)  # contiguous pool: row = slot
     nsm = torch.cuda.get_device_properties(device).multi_processor_count
     best = None
