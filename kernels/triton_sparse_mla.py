@@ -566,6 +566,23 @@ def _dispatch_major(major: int) -> int:
         raise ValueError(f"GLM5_SPARSE_MLA_DISPATCH_CC must be an integer compute-capability major, got {env!r}") from None
 
 
+def fp8_scales(fp8: bool, k_scale, softmax_scale: float, device) -> tuple[bool, float, float]:
+    """(scale read by the kernel, v_scale, qk_scale_log2) of a call: the ``fp8`` format's
+    per-tensor ``k_scale`` as a host float folds into the softmax scale (QK^T) and the output scale
+    here; a one-element fp32 tensor on q's device is read by the kernel (graph-safe). Other formats
+    and ``None``: 1.0."""
+    kscale_from_ptr, v_scale, qk_scale = False, 1.0, float(softmax_scale) * _LOG2E
+    if fp8:
+        if isinstance(k_scale, torch.Tensor):
+            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != device:
+                raise ValueError("k_scale tensor must hold one float32 on q's device")
+            kscale_from_ptr = True
+        elif k_scale is not None:
+            v_scale = float(k_scale)
+            qk_scale *= v_scale
+    return kscale_from_ptr, v_scale, qk_scale
+
+
 def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse, num_splits, config) -> _Plan:
     """Validate the arguments (``ValueError`` on anything unsupported) and plan the call."""
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
@@ -596,18 +613,7 @@ def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse
     if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or lse.device != q.device):
         raise ValueError(f"lse must be [T, H] float32, got {tuple(lse.shape)} {lse.dtype}")
 
-    # k_scale: a host float folds into the scales here; a tensor is read in the kernel.
-    kscale_from_ptr = False
-    v_scale = 1.0
-    qk_scale = float(softmax_scale) * _LOG2E
-    if code == _FMT_FP8:
-        if isinstance(k_scale, torch.Tensor):
-            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
-                raise ValueError("k_scale tensor must hold one float32 on q's device")
-            kscale_from_ptr = True
-        elif k_scale is not None:
-            v_scale = float(k_scale)
-            qk_scale *= v_scale
+    kscale_from_ptr, v_scale, qk_scale = fp8_scales(code == _FMT_FP8, k_scale, softmax_scale, q.device)
 
     p = _Plan()
     p.device = q.device

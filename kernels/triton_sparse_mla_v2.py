@@ -1167,17 +1167,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     code = _v1._kvf.resolve_kv_format(kv_format, q.dtype).code
     rows16 = code == _v1._kvf.FMT_16BIT
     rows8 = code == _v1._kvf.FMT_FP8
-    # fp8's per-tensor scale (as v1 takes it): a host float folds into the softmax scale and the
-    # output scale here, a one-element fp32 tensor is read by the kernel
-    kscale_from_ptr, v_scale, qk_scale = False, 1.0, float(softmax_scale) * _LOG2E
-    if rows8:
-        if isinstance(k_scale, torch.Tensor):
-            if k_scale.numel() != 1 or k_scale.dtype != torch.float32 or k_scale.device != q.device:
-                raise ValueError("k_scale tensor must hold one float32 on q's device")
-            kscale_from_ptr = True
-        elif k_scale is not None:
-            v_scale = float(k_scale)
-            qk_scale *= v_scale
+    # fp8's per-tensor scale, taken as v1 takes it
+    kscale_from_ptr, v_scale, qk_scale = _v1.fp8_scales(rows8, k_scale, softmax_scale, q.device)
     if rows16:  # 16-bit rows of q's dtype (v2_unsupported_reason let only those through)
         if kv.dim() != 3 or kv.shape[2] != HEAD_DIM or kv.dtype != q.dtype:
             raise ValueError(f"{kv_format} kv_cache must be [num_blocks, block_size, {HEAD_DIM}] of {q.dtype}, "
