@@ -953,15 +953,14 @@ def rows8_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None:
 def v2_kernel_config(cc_major: int) -> dict:
     """The default configuration of the 16-head-block kernel (``_sparse_mla_v2_kernel``).
 
-    SM12x holds q's first two K-chunks in registers (``Q_REGS`` 2): under the SM120-occupancy proxy
-    (H100, mma.sync, one CTA per SM as SM120's 100 KB allow;
-    ``bench/results/sparse_mla_v2_h100_sm120occupancy.json``) it took 0.97-0.99x the time without at
-    every point (H 8 / 16, T 4 / 32 / 128; 151.2 against 154.6 us at H 8, T 128), where on the H100
-    at its own occupancy it had measured 0.96-1.04x. The KEYS_M kernel (one 2-warp CTA per SM there)
-    took 1.2-2.3x."""
+    Under the SM120-occupancy proxy (H100, mma.sync, one CTA per SM as SM120's 100 KB allow;
+    ``bench/results/sparse_mla_v2_h100_sm120occupancy.json``) this kernel ranked first; KEYS_M (one
+    2-warp CTA per SM there) took 1.2-2.3x. ``Q_REGS`` 2 (q's first two K-chunks in registers) took
+    0.97-0.99x its time at every point there (151.2 against 154.6 us at H 8, T 128) but spills 16 B
+    of stack on sm_120 / sm_121 with Triton 3.8 (the newest pin's; none with 3.6), so SM12x keeps
+    ``Q_REGS`` 0."""
     return {"BLOCK_H": 16, "BLOCK_N": 32, "NUM_WARPS": 4, "QK_ACCS": 4, "DQ_VEC": 8,
-            "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2,
-            "Q_REGS": 2 if cc_major == 12 else 0}
+            "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
 def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None,

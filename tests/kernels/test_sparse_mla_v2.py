@@ -186,7 +186,7 @@ def test_v2_specs_cover_every_dispatch_config():
                                                                                "sparse_mla_v2_km8["))}
     # SM8x / SM90's 16-head default: compiled for sm_90 by test_v2_tuning_configs_compile_for_sm90
     names |= {s["name"] for s in v2.compile_specs(9, [v2.v2_kernel_config(9)])}
-    assert v2.v2_kernel_config(8) == v2.v2_kernel_config(12) | {"CTAS_PER_SM": 1, "Q_REGS": 0}
+    assert v2.v2_kernel_config(8) == v2.v2_kernel_config(12)
     km = [dict(c) for c in v2.KEYS_M_CONFIGS]
     for cc in (8, 9, 12):
         for h in range(1, 17):
