@@ -123,47 +123,89 @@ if HAS_GLUON:
     @gluon.jit
     def _issue_tile(kv_ptr, lat_buf, sc_buf, rp_buf, sl_lat, sl_sc, sl_rp,
                     num_slots, block_size, stride_kb, stride_ks,
-                    DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr):
+                    DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr,
+                    ROWS8: gl.constexpr = False):
         """cp.async one tile of rows into one ring stage: 512 latent bytes, 4 fp32 scales, 64 rope
-        words per row. Masked (invalid) rows are not read; their shared memory is zero-filled."""
+        words per row. Masked (invalid) rows are not read; their shared memory is zero-filled.
+        ``ROWS8`` (fp8 rows): 512 latent bytes and the 64 rope bytes after them, into ``sc_buf``
+        (``rp_buf`` and ``sl_rp`` unused)."""
         v, r = _rows(sl_lat, num_slots, block_size, stride_kb, stride_ks)
         cl = gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT))
         cp.async_copy_global_to_shared(lat_buf, kv_ptr + r[:, None] + cl[None, :], mask=v[:, None])
         v, r = _rows(sl_sc, num_slots, block_size, stride_kb, stride_ks)
-        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC))
-        sp = (kv_ptr + r + _DS_SCALE_OFFSET).to(gl.pointer_type(gl.float32))
-        cp.async_copy_global_to_shared(sc_buf, sp[:, None] + c4[None, :], mask=v[:, None])
-        v, r = _rows(sl_rp, num_slots, block_size, stride_kb, stride_ks)
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_RP))
-        rp = (kv_ptr + r + _DS_ROPE_OFFSET).to(gl.pointer_type(DT))
-        cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
+        if ROWS8:
+            c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_SC))
+            cp.async_copy_global_to_shared(sc_buf, kv_ptr + r[:, None] + 512 + c64[None, :], mask=v[:, None])
+        else:
+            c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC))
+            sp = (kv_ptr + r + _DS_SCALE_OFFSET).to(gl.pointer_type(gl.float32))
+            cp.async_copy_global_to_shared(sc_buf, sp[:, None] + c4[None, :], mask=v[:, None])
+            v, r = _rows(sl_rp, num_slots, block_size, stride_kb, stride_ks)
+            c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_RP))
+            rp = (kv_ptr + r + _DS_ROPE_OFFSET).to(gl.pointer_type(DT))
+            cp.async_copy_global_to_shared(rp_buf, rp[:, None] + c64[None, :], mask=v[:, None])
+
+    @gluon.jit
+    def _alloc_ring(BLOCK_N: gl.constexpr, DT: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False):
+        """The raw ring's stages A and B (B is A with RING 1): per row 512 latent bytes, the second
+        copy (4 fp32 scales; fp8 rows: 64 rope bytes) and the 16-bit rope (fp8 rows: one tile the
+        raw rope is converted into, not ringed). Separate allocations, so the compiler's barrier
+        analysis sees the stages as independent."""
+        SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        SC_T: gl.constexpr = gl.uint8 if ROWS8 else gl.float32
+        SC_W: gl.constexpr = 64 if ROWS8 else 4
+        lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SH_PLAIN)
+        sc_a = gl.allocate_shared_memory(SC_T, [BLOCK_N, SC_W], SH_PLAIN)
+        rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        if RING == 2:
+            lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SH_PLAIN)
+            sc_b = gl.allocate_shared_memory(SC_T, [BLOCK_N, SC_W], SH_PLAIN)
+            if ROWS8:
+                rp_b = rp_a
+            else:
+                rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
+        else:
+            lat_b = lat_a
+            sc_b = sc_a
+            rp_b = rp_a
+        return lat_a, sc_a, rp_a, lat_b, sc_b, rp_b
+
+    @gluon.jit
+    def _alloc_groups(BLOCK_N: gl.constexpr, DT: gl.constexpr):
+        """Four [BLOCK_N, 128] 16-bit tiles, one per 128-group of the latent, swizzled for ldmatrix."""
+        SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        return (gl.allocate_shared_memory(DT, [BLOCK_N, 128], SH_SW), gl.allocate_shared_memory(DT, [BLOCK_N, 128], SH_SW),
+                gl.allocate_shared_memory(DT, [BLOCK_N, 128], SH_SW), gl.allocate_shared_memory(DT, [BLOCK_N, 128], SH_SW))
 
     @gluon.jit
     def _tile_slots(idx_row, stride_ik, tile, lim, BLOCK_N: gl.constexpr, L_LAT: gl.constexpr,
                     L_SC: gl.constexpr, L_RP: gl.constexpr):
-        """One tile's slots in the layouts of its three fp8_ds_mla copies (latent, scales, rope)."""
+        """One tile's slots in the layouts of its three fp8_ds_mla copies (latent, scales, rope;
+        fp8 rows use the first two)."""
         return (_slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_LAT)),
                 _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_SC)),
                 _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, L_RP)))
 
     @gluon.jit
     def _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size, stride_kb,
-                stride_ks, DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr):
+                stride_ks, DT: gl.constexpr, L_LAT: gl.constexpr, L_SC: gl.constexpr, L_RP: gl.constexpr,
+                ROWS8: gl.constexpr = False):
         """The next tile's copies into a free ring stage (none past the split's last tile), then the
         copy group is closed either way (the next wait_group counts groups)."""
         if has_next:
             _issue_tile(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, num_slots, block_size,
-                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
+                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP, ROWS8)
         cp.commit_group()
 
     @gluon.jit
     def _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim, num_slots, block_size,
                        stride_kb, stride_ks, BLOCK_N: gl.constexpr, DT: gl.constexpr, L_LAT: gl.constexpr,
-                       L_SC: gl.constexpr, L_RP: gl.constexpr):
+                       L_SC: gl.constexpr, L_RP: gl.constexpr, ROWS8: gl.constexpr = False):
         """A split's first tile in flight into stage A; returns the second tile's slots (its copies)."""
         f_lat, f_sc, f_rp = _tile_slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, L_LAT, L_SC, L_RP)
         _issue_tile(kv_ptr, lat_a, sc_a, rp_a, f_lat, f_sc, f_rp, num_slots, block_size, stride_kb, stride_ks,
-                    DT, L_LAT, L_SC, L_RP)
+                    DT, L_LAT, L_SC, L_RP, ROWS8)
         cp.commit_group()
         return _tile_slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, L_LAT, L_SC, L_RP)
 
@@ -186,20 +228,10 @@ if HAS_GLUON:
         k3.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(DT))
 
     # fp8 rows (the ``fp8`` format, KEYS_M with ROWS8): 512 e4m3 latent bytes then 64 e4m3 rope
-    # bytes, one per-tensor scale outside the row. The ring keeps the raw latent and the raw rope;
+    # bytes, one per-tensor scale outside the row. The ring (``_issue_tile`` with ROWS8) keeps the
+    # raw latent and the raw rope;
     # both are converted to q's dtype unscaled (e4m3 is exact in bf16 and fp16) and the scale is
     # folded into the softmax scale and the output, as in v1.
-
-    @gluon.jit
-    def _issue_tile8(kv_ptr, lat_buf, r8_buf, sl_lat, sl_r8, num_slots, block_size, stride_kb, stride_ks,
-                     L_LAT: gl.constexpr, L_R8: gl.constexpr):
-        """cp.async one tile of fp8 rows into one ring stage: 512 latent bytes, 64 rope bytes."""
-        v, r = _rows(sl_lat, num_slots, block_size, stride_kb, stride_ks)
-        cl = gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT))
-        cp.async_copy_global_to_shared(lat_buf, kv_ptr + r[:, None] + cl[None, :], mask=v[:, None])
-        v, r = _rows(sl_r8, num_slots, block_size, stride_kb, stride_ks)
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L_R8))
-        cp.async_copy_global_to_shared(r8_buf, kv_ptr + r[:, None] + 512 + c64[None, :], mask=v[:, None])
 
     @gluon.jit
     def _dequant_fp8(lat_c, r8_c, k0, k1, k2, k3, rpk, L_DQ: gl.constexpr, L_R8: gl.constexpr,
@@ -365,23 +397,10 @@ if HAS_GLUON:
         # analysis sees them as independent.
         SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-        lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-        sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-        rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
         # RING 1: one raw stage (21 KB less at BLOCK_N 32, for more CTAs per SM); the next tile's
         # copies then start after the QK of this one instead of before its dequantization
-        if RING == 2:
-            lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-            sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-            rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-        else:
-            lat_b = lat_a
-            sc_b = sc_a
-            rp_b = rp_a
-        k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-        k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        lat_a, sc_a, rp_a, lat_b, sc_b, rp_b = _alloc_ring(BLOCK_N, DT, RING)
+        k0, k1, k2, k3 = _alloc_groups(BLOCK_N, DT)
         q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, DV], SH_SW)
         qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SH_SW)
         # S exchange tile: written from the MMA accumulator layout, whose lanes with one column
@@ -546,7 +565,7 @@ if HAS_GLUON:
                  DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False):
         """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state.
         ``ROWS8`` (fp8 rows): ``sc_*`` are the ring's raw rope stages, ``rp_c`` / ``rp_n`` the one
-        16-bit rope tile they are converted into, ``nl_sc`` / ``nl_rp`` both the rope copies' slots."""
+        16-bit rope tile they are converted into (``nl_rp`` unused)."""
         GROUP: gl.constexpr = 128
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
@@ -555,41 +574,29 @@ if HAS_GLUON:
         ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)  # along the keys of S^T
         COL_M: gl.constexpr = gl.SliceLayout(0, MMA)  # along the heads
         L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        L_R8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
+        # the second copy of a row: 4 fp32 scales, or fp8 rows' 64 rope bytes
+        L_SC: gl.constexpr = L_R8 if ROWS8 else gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 // (GROUP // DQ_VEC), GROUP // DQ_VEC],
                                               [NUM_WARPS, 1], [1, 0])
-        L_R8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
 
-        if ROWS8:
-            nn_lat = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
-            nn_sc = _slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, gl.SliceLayout(1, L_R8))
-            nn_rp = nn_sc
-        else:
-            nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
+        nn_lat, nn_sc, nn_rp = _tile_slots(idx_row, stride_ik, tile + 2, lim, BLOCK_N, L_LAT, L_SC, L_RP)
         vs_n = _slots(idx_row, stride_ik, tile + 1, lim, BLOCK_N, ROW_M)
 
         cp.wait_group(0)
         _cta_barrier()
+        if RING == 2:
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP, ROWS8)
         if ROWS8:
-            if RING == 2:
-                if has_next:
-                    _issue_tile8(kv_ptr, lat_n, sc_n, nl_lat, nl_sc, num_slots, block_size, stride_kb, stride_ks,
-                                 L_LAT, L_R8)
-                cp.commit_group()
             _dequant_fp8(lat_c, sc_c, k0, k1, k2, k3, rp_c, L_DQ, L_R8, DT)
-            _cta_barrier()
-            if RING == 1:  # the raw stage is converted: refill it now (S^T reads the 16-bit tiles)
-                if has_next:
-                    _issue_tile8(kv_ptr, lat_n, sc_n, nl_lat, nl_sc, num_slots, block_size, stride_kb, stride_ks,
-                                 L_LAT, L_R8)
-                cp.commit_group()
         else:
-            if RING == 2:
-                _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
-                        stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
             _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
-            _cta_barrier()
+        _cta_barrier()
+        if RING == 1 and ROWS8:  # the raw stage is converted: refill it now (S^T reads the 16-bit tiles)
+            _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
+                    stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP, ROWS8)
 
         # S^T = K q^T: each warp's 16 keys against the 8 heads, one accumulator per 128-group
         s = _km_scores(k0, k1, k2, k3, rp_c, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
@@ -710,49 +717,20 @@ if HAS_GLUON:
         ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)
         COL_M: gl.constexpr = gl.SliceLayout(0, MMA)
         L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        # the second copy of a row: 4 fp32 scales, or fp8 rows' 64 rope bytes (as in _step_km)
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0]) if ROWS8 else \
+            gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         L_RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         SH_PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SH_SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         if ROWS16:  # two stages of the rows as stored: 4 latent groups + the rope each
-            ga0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            ga1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            ga2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            ga3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            ga0, ga1, ga2, ga3 = _alloc_groups(BLOCK_N, DT)
             rpa = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-            gb0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            gb1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            gb2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            gb3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+            gb0, gb1, gb2, gb3 = _alloc_groups(BLOCK_N, DT)
             rpb = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-        elif ROWS8:  # raw latent + raw rope per stage; the rope converted into one 16-bit tile
-            lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-            sc_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 64], SH_PLAIN)
-            rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-            if RING == 2:
-                lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-                sc_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 64], SH_PLAIN)
-            else:
-                lat_b = lat_a
-                sc_b = sc_a
-            rp_b = rp_a
-        else:
-            lat_a = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-            sc_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-            rp_a = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-            if RING == 2:
-                lat_b = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, DV], SH_PLAIN)
-                sc_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 4], SH_PLAIN)
-                rp_b = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-            else:
-                lat_b = lat_a
-                sc_b = sc_a
-                rp_b = rp_a
-        if not ROWS16:  # the 16-bit K tiles both MMAs read
-            k0 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            k1 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            k2 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
-            k3 = gl.allocate_shared_memory(DT, [BLOCK_N, GROUP], SH_SW)
+        else:  # the raw ring, then the 16-bit K tiles both MMAs read
+            lat_a, sc_a, rp_a, lat_b, sc_b, rp_b = _alloc_ring(BLOCK_N, DT, RING, ROWS8)
+            k0, k1, k2, k3 = _alloc_groups(BLOCK_N, DT)
         s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_H], SH_PLAIN)
 
         n_hb = gl.cdiv(num_heads, BLOCK_H)
@@ -796,21 +774,10 @@ if HAS_GLUON:
             nl_g = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_G)
             nl_r = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, S_RP)
             vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
-        elif ROWS8:
-            L_R8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
-            _issue_tile8(kv_ptr, lat_a, sc_a,
-                         _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, gl.SliceLayout(1, L_LAT)),
-                         _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, gl.SliceLayout(1, L_R8)),
-                         num_slots, block_size, stride_kb, stride_ks, L_LAT, L_R8)
-            cp.commit_group()
-            nl_lat = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, gl.SliceLayout(1, L_LAT))
-            nl_sc = _slots(idx_row, stride_ik, tile_lo + 1, lim, BLOCK_N, gl.SliceLayout(1, L_R8))
-            nl_rp = nl_sc
-            vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         else:
             nl_lat, nl_sc, nl_rp = _ring_prologue(kv_ptr, lat_a, sc_a, rp_a, idx_row, stride_ik, tile_lo, lim,
                                                   num_slots, block_size, stride_kb, stride_ks, BLOCK_N, DT,
-                                                  L_LAT, L_SC, L_RP)
+                                                  L_LAT, L_SC, L_RP, ROWS8)
             vs = _slots(idx_row, stride_ik, tile_lo, lim, BLOCK_N, ROW_M)
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(0, OP_B))
         l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(0, OP_B))
