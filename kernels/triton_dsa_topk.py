@@ -233,6 +233,48 @@ def _radix_select_desc(ku, m, rank, top_shift, npass, BITS: tl.constexpr):
 
 
 @triton.jit
+def _radix_select_desc2(ku, m, rank_a, rank_b, top_shift, npass, BITS: tl.constexpr):
+    """``_radix_select_desc`` at two ranks at once (``rank_a <= rank_b``): while the two order
+    statistics share the digits examined so far, one histogram per pass serves both (the pivot
+    window's two sample ranks usually share the sign and exponent bits); after they part, each
+    takes its own. Returns the two prefixes (same contract as ``_radix_select_desc``)."""
+    NB: tl.constexpr = 1 << BITS
+    dig = tl.arange(0, NB)
+    pa = tl.zeros([], dtype=tl.uint32)
+    pb = tl.zeros([], dtype=tl.uint32)
+    pmask = tl.zeros([], dtype=tl.uint32)
+    ra = rank_a
+    rb = rank_b
+    for p in range(0, npass):
+        shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
+        d = ((ku >> shift) & (NB - 1)).to(tl.int32)
+        if pa == pb:
+            cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
+            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
+            sel_a = (above <= ra) & (ra < above + cnt)
+            sel_b = (above <= rb) & (rb < above + cnt)
+            da = tl.sum(tl.where(sel_a, dig, 0), 0)
+            db = tl.sum(tl.where(sel_b, dig, 0), 0)
+            ra = ra - tl.sum(tl.where(sel_a, above, 0), 0)
+            rb = rb - tl.sum(tl.where(sel_b, above, 0), 0)
+        else:
+            cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
+            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
+            sel_a = (above <= ra) & (ra < above + cnt)
+            da = tl.sum(tl.where(sel_a, dig, 0), 0)
+            ra = ra - tl.sum(tl.where(sel_a, above, 0), 0)
+            cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pb))
+            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
+            sel_b = (above <= rb) & (rb < above + cnt)
+            db = tl.sum(tl.where(sel_b, dig, 0), 0)
+            rb = rb - tl.sum(tl.where(sel_b, above, 0), 0)
+        pa = pa | (da.to(tl.uint32) << shift)
+        pb = pb | (db.to(tl.uint32) << shift)
+        pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
+    return pa, pb
+
+
+@triton.jit
 def _resolve_store(keys, idx, m, base, need, n_passes, out, BITS: tl.constexpr):
     """Write the ``need`` largest of (keys (uint32, relative to ``base``), idx) lanes ``m`` (in
     position order: ties are taken lowest position first) to out[base + ...]. ``n_passes`` digits
@@ -262,7 +304,8 @@ def _topk_segment_kernel(
     out_ptr, stride_o,
     seg_gt_ptr, seg_k_ptr, seg_i_ptr, cat_k_ptr, cat_i_ptr, cnt_ptr, win_ptr,
     K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
-    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr,
+    ZSIGMA: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, SAMPLE_BITS: tl.constexpr = 20,
+    SAMPLE_JOINT: tl.constexpr = False,
 ):
     """Pass 1 for rows longer than CAP, grid (rows, SPLIT): a window [lo, hi] from a pivot sample of
     the whole row (every program of the row computes the same one), then one streaming pass over
@@ -281,13 +324,17 @@ def _topk_segment_kernel(
         r_hi = tl.floor(e - mrg).to(tl.int32)
         r_lo = tl.ceil(e + mrg).to(tl.int32)
         all_s = js >= 0
-        # ~20 bits of each order statistic suffice: hi rounds up, lo rounds down (window only grows)
-        SPASS: tl.constexpr = (20 + BITS - 1) // BITS
+        # SAMPLE_BITS (~20) leading bits of each order statistic suffice: hi rounds up, lo rounds
+        # down (the window only grows)
+        SPASS: tl.constexpr = (SAMPLE_BITS + BITS - 1) // BITS
         LOWMASK: tl.constexpr = (1 << (32 - BITS * SPASS)) - 1
         npass = tl.full([], SPASS, tl.int32)
         top = tl.full([], 32 - BITS, tl.int32)
-        ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, npass, BITS)
-        pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, npass, BITS)
+        if SAMPLE_JOINT:  # one histogram per pass while the two ranks share their digits
+            ph, pl = _radix_select_desc2(su, all_s, tl.maximum(r_hi, 0), tl.minimum(r_lo, S - 1), top, npass, BITS)
+        else:
+            ph, _rh = _radix_select_desc(su, all_s, tl.maximum(r_hi, 0), top, npass, BITS)
+            pl, _rl = _radix_select_desc(su, all_s, tl.minimum(r_lo, S - 1), top, npass, BITS)
         hi = tl.where(r_hi >= 0, _from_u(ph | LOWMASK), 2147483647)
         lo = tl.where(r_lo < S, _from_u(pl), -2147483648)
         hi = tl.maximum(hi, lo)
@@ -631,6 +678,12 @@ BISECT_BITS = 2
 # bench/results/indexer_h100_merge_regs.json) it was 1-12% slower than the concatenating merge at
 # 32k T = 1/16/64 and 128k T = 1/16 (docs/notes/dsa_indexer.md, "Register merge").
 MERGE_REGS = False
+# The pivot window's two sample order statistics: leading bits resolved (``SAMPLE_BITS``; hi is
+# rounded up and lo down past them, so fewer bits only widen the window) and whether one
+# histogram per pass serves both ranks while they share their digits (``SAMPLE_JOINT``).
+# Not yet timed on a GPU: the defaults are the select as it was (20 bits, two selects).
+SAMPLE_BITS = 20
+SAMPLE_JOINT = False
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -799,7 +852,10 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
     plan = []
     if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
         plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
-                                                ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"]), num_warps))
+                                                ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"],
+                                                SAMPLE_BITS=cfg.get("SAMPLE_BITS", SAMPLE_BITS),
+                                                SAMPLE_JOINT=int(bool(cfg.get("SAMPLE_JOINT", SAMPLE_JOINT)))),
+                     num_warps))
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
                                           GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),

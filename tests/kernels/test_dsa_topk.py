@@ -205,6 +205,16 @@ def test_gpu_persistent_topk_k2048(kind, width):
             base = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
             T.persistent_topk(lg, lens, base, None, 2048, width, SPLIT=1)
         assert torch.equal(other, base), over
+    # the pivot window's sample select variants: SAMPLE_JOINT computes the same window (same
+    # output, same order), fewer SAMPLE_BITS a wider one (same set)
+    for over in ({"SAMPLE_JOINT": True}, {"SAMPLE_JOINT": True, "SAMPLE_BITS": 16},
+                 {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12}):
+        other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+        T.persistent_topk(lg, lens, other, None, 2048, width, **over)
+        if "SAMPLE_BITS" in over:
+            assert torch.equal(T.canonical(other), got), over
+        else:
+            assert torch.equal(other, out), over
 
 
 @gpu
@@ -331,6 +341,37 @@ def test_register_merge_with_elements_above_the_window(split):
     out = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, 600, **dict(cfg, MERGE_REGS=True))
     assert torch.equal(out.cpu(), base.cpu())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_joint_sample_select_gives_the_same_window(bits):
+    """SAMPLE_JOINT (one histogram per pass while the pivot sample's two ranks share their digits,
+    two after they part) computes the same window as the two separate selects, at every SPLIT
+    program; fewer SAMPLE_BITS widen it (hi up, lo down) and the top-k stays the same."""
+    g = torch.Generator().manual_seed(5 + bits)
+    lens = torch.tensor([0, 100, 129, 300, 599, 600], dtype=torch.int32)
+    cfg = dict(SMALL, BITS=bits, SPLIT=2)
+    for kind in ("randn", "ties", "spikes", "negative", "increasing"):
+        lg = _rows(kind, 6, 600, g)
+        wins, outs = {}, {}
+        for name, over in (("two", {}), ("joint", {"SAMPLE_JOINT": True}),
+                           ("joint12", {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12})):
+            lay = T._scratch_layout(6, K_SMALL, cfg["CAP"], cfg["SPLIT"])
+            scratch = torch.zeros(lay["total"], dtype=torch.int32, device=DEVICE)
+            out = torch.full((6, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, scratch, K_SMALL, 600, **dict(cfg, **over))
+            o, n = lay["win"]
+            wins[name] = scratch[o:o + n].view(6, 2).cpu()[lens > cfg["CAP"]]
+            outs[name] = out.cpu()
+        assert torch.equal(wins["joint"], wins["two"]), (kind, wins)
+        assert bool((wins["joint12"][:, 0] <= wins["two"][:, 0]).all()), kind  # lo rounds down
+        assert bool((wins["joint12"][:, 1] >= wins["two"][:, 1]).all()), kind  # hi rounds up
+        # the same window writes the same output in the same order; a wider one the same set (the
+        # order inside a row is: above the window, then the window's selection)
+        assert torch.equal(outs["joint"], outs["two"]), kind
+        ref = T.persistent_topk_reference(lg, lens, K_SMALL)
+        _check(outs["two"], ref)
+        _check(outs["joint12"], ref)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
