@@ -222,14 +222,19 @@ def _radix_select_desc(ku, m, rank, top_shift, npass, BITS: tl.constexpr):
         shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
         d = ((ku >> shift) & (NB - 1)).to(tl.int32)
         match = m & ((ku & pmask) == prefix)
-        cnt = tl.histogram(d, NB, mask=match)
-        above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)  # lanes with a larger digit
-        sel = (above <= rr) & (rr < above + cnt)
-        dsel = tl.sum(tl.where(sel, dig, 0), 0)
-        rr = rr - tl.sum(tl.where(sel, above, 0), 0)
+        dsel, rr = _pick_digit(tl.histogram(d, NB, mask=match), dig, rr)
         prefix = prefix | (dsel.to(tl.uint32) << shift)
         pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
     return prefix, rr
+
+
+@triton.jit
+def _pick_digit(cnt, dig, rank):
+    """The digit whose bin of the histogram ``cnt`` holds the ``rank``-th largest lane (0-based),
+    and that lane's rank among the bin's lanes."""
+    above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)  # lanes with a larger digit
+    sel = (above <= rank) & (rank < above + cnt)
+    return tl.sum(tl.where(sel, dig, 0), 0), rank - tl.sum(tl.where(sel, above, 0), 0)
 
 
 @triton.jit
@@ -248,26 +253,12 @@ def _radix_select_desc2(ku, m, rank_a, rank_b, top_shift, npass, BITS: tl.conste
     for p in range(0, npass):
         shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
         d = ((ku >> shift) & (NB - 1)).to(tl.int32)
-        if pa == pb:
-            cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
-            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
-            sel_a = (above <= ra) & (ra < above + cnt)
-            sel_b = (above <= rb) & (rb < above + cnt)
-            da = tl.sum(tl.where(sel_a, dig, 0), 0)
-            db = tl.sum(tl.where(sel_b, dig, 0), 0)
-            ra = ra - tl.sum(tl.where(sel_a, above, 0), 0)
-            rb = rb - tl.sum(tl.where(sel_b, above, 0), 0)
-        else:
-            cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
-            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
-            sel_a = (above <= ra) & (ra < above + cnt)
-            da = tl.sum(tl.where(sel_a, dig, 0), 0)
-            ra = ra - tl.sum(tl.where(sel_a, above, 0), 0)
+        cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
+        da, ra_next = _pick_digit(cnt, dig, ra)
+        if pa != pb:  # the ranks parted: b's own histogram
             cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pb))
-            above = tl.sum(cnt, 0) - tl.cumsum(cnt, 0)
-            sel_b = (above <= rb) & (rb < above + cnt)
-            db = tl.sum(tl.where(sel_b, dig, 0), 0)
-            rb = rb - tl.sum(tl.where(sel_b, above, 0), 0)
+        db, rb = _pick_digit(cnt, dig, rb)
+        ra = ra_next
         pa = pa | (da.to(tl.uint32) << shift)
         pb = pb | (db.to(tl.uint32) << shift)
         pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
