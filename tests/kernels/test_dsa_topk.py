@@ -208,7 +208,7 @@ def test_gpu_persistent_topk_k2048(kind, width):
     # the pivot window's sample select variants: SAMPLE_JOINT computes the same window (same
     # output, same order), fewer SAMPLE_BITS a wider one (same set)
     for over in ({"SAMPLE_JOINT": True}, {"SAMPLE_JOINT": True, "SAMPLE_BITS": 16},
-                 {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12}):
+                 {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12}, {"merge_warps": 8}):
         other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
         T.persistent_topk(lg, lens, other, None, 2048, width, **over)
         if "SAMPLE_BITS" in over:
@@ -624,6 +624,11 @@ def test_gpu_short_path_k2048(kind, width, bisect_bits):
         assert torch.equal(out, old)  # rows <= CAP: the same order as the radix path
     else:  # longer rows: the radix path's order differs (order inside a row is unspecified)
         assert torch.equal(T.canonical(out), T.canonical(old))
+    if bisect_bits == 2:  # the warp counts timed against the dispatch's (same output, same order)
+        for over in ({"short_warps": 4}, {"short_warps": 8}, {"SHORT": False, "merge_warps": 8}):
+            other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+            T.persistent_topk(lg, lens, other, None, 2048, width, **over)
+            assert torch.equal(other, old if "merge_warps" in over else out), over
 
 
 @pytest.mark.parametrize("bisect_bits", [2, 4])
