@@ -219,8 +219,7 @@ def triton_step_fns(sh, inp, logit_over=None, topk_over=None, out=None):
         out = torch.empty(sh.rows, sh.mml, dtype=torch.float32, device="cuda")
     idx = torch.empty(sh.rows, K_TOP, dtype=torch.int32, device="cuda")
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
-    tcfg.update(to)
+    tcfg, _, _ = T.call_config(K_TOP, sh.mml, sh.rows, nsm, torch.cuda.get_device_capability(0)[0], to)
     scratch = torch.empty(T._scratch_layout(sh.rows, K_TOP, tcfg["CAP"], tcfg["SPLIT"])["total"],
                           dtype=torch.int32, device="cuda")
     ns = inp["n_sets"]
@@ -471,8 +470,7 @@ def run_shape(sh, dg, have_ops, max_sets, torch_ref=True, logit_over=None, topk_
     # kernel where the rows allow it (max_model_len <= SHORT_MAX), and the radix path
     import triton_dsa_topk as T
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    tcfg = T.topk_config(K_TOP, sh.mml, sh.rows, nsm)
-    tcfg.update(topk_over or {})
+    tcfg, _, _ = T.call_config(K_TOP, sh.mml, sh.rows, nsm, torch.cuda.get_device_capability(0)[0], topk_over)
     # "radix+bisect": the radix path whose merge kernel selects rows <= CAP with the short kernel's
     # bisection (what max_model_len > SHORT_MAX runs); "radix": SHORT=False, the radix select throughout
     rec["topk_path"] = "short" if tcfg["SHORT"] else ("radix+bisect" if tcfg.get("SHORT_SELECT") else "radix")

@@ -51,14 +51,7 @@ def parse_shape(s: str) -> DI.Shape:
 
 def plan_of(T, sh, over):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    major = torch.cuda.get_device_capability(0)[0]
-    over = dict(over or {})
-    cfg = T.topk_config(DI.K_TOP, sh.mml, sh.rows, nsm, seg_min=over.pop("SEG_MIN", T.SEG_MIN),
-                        bits=over.pop("BITS", T.RADIX_BITS), arch_major=major)
-    cfg.update(over)
-    if over.get("SHORT") is False and "SHORT_SELECT" not in over:
-        cfg["SHORT_SELECT"] = False
-    nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
+    cfg, nw, mw = T.call_config(DI.K_TOP, sh.mml, sh.rows, nsm, torch.cuda.get_device_capability(0)[0], over)
     plan = T._launch_plan(cfg, DI.K_TOP, T._MODE_ROW_LENGTHS, sh.mml, nw, mw)
     return [{"kernel": k.fn.__name__ if hasattr(k, "fn") else str(k),
              "grid": [sh.rows, cfg["SPLIT"]] if k is T._topk_segment_kernel else [sh.rows],

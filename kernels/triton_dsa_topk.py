@@ -254,11 +254,10 @@ def _radix_select_desc2(ku, m, rank_a, rank_b, top_shift, npass, BITS: tl.conste
         shift = (tl.zeros([], dtype=tl.int32) + top_shift - BITS * p).to(tl.uint32)
         d = ((ku >> shift) & (NB - 1)).to(tl.int32)
         cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pa))
-        da, ra_next = _pick_digit(cnt, dig, ra)
+        da, ra = _pick_digit(cnt, dig, ra)
         if pa != pb:  # the ranks parted: b's own histogram
             cnt = tl.histogram(d, NB, mask=m & ((ku & pmask) == pb))
         db, rb = _pick_digit(cnt, dig, rb)
-        ra = ra_next
         pa = pa | (da.to(tl.uint32) << shift)
         pb = pb | (db.to(tl.uint32) << shift)
         pmask = pmask | (tl.full([], NB - 1, tl.uint32) << shift)
@@ -723,7 +722,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
                 SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
-                MERGE_REGS=MERGE_REGS,
+                MERGE_REGS=MERGE_REGS, SAMPLE_BITS=SAMPLE_BITS, SAMPLE_JOINT=SAMPLE_JOINT,
                 short_warps=min(16, max(4, short_block // 256)))
 
 
@@ -787,6 +786,21 @@ def topk_workspace_bytes(k: int, max_rows: int, max_seq_len: int, num_sms: int |
     return 4 * words
 
 
+def call_config(k: int, max_seq_len: int, rows: int, num_sms: int, arch_major: int,
+                overrides: dict | None = None) -> tuple[dict, int, int]:
+    """One call's launch configuration: the dispatch's (``topk_config``) with the caller's keyword
+    overrides applied (``SEG_MIN`` and ``BITS`` go into ``topk_config``; ``SHORT=False`` also turns
+    ``SHORT_SELECT`` off: the radix path throughout, for A/B runs). Returns (cfg, num_warps,
+    merge_warps); ``cfg`` is what ``_launch_plan`` takes."""
+    over = dict(overrides or {})
+    cfg = topk_config(k, max_seq_len, rows, num_sms, seg_min=over.pop("SEG_MIN", SEG_MIN),
+                      bits=over.pop("BITS", RADIX_BITS), arch_major=arch_major)
+    cfg.update(over)
+    if over.get("SHORT") is False and "SHORT_SELECT" not in over:
+        cfg["SHORT_SELECT"] = False
+    return cfg, cfg.pop("num_warps"), cfg.pop("merge_warps")
+
+
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
@@ -806,14 +820,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     on_gpu = logits.device.type == "cuda" and not _interpret()
     sms = _num_sms(logits.device.index or 0) if on_gpu else 8
     major = _arch_major(logits.device.index or 0) if on_gpu else 0
-    seg_min = overrides.pop("SEG_MIN", SEG_MIN)
-    cfg = topk_config(k, max_seq_len, rows, sms, seg_min=seg_min, bits=overrides.pop("BITS", RADIX_BITS),
-                      arch_major=major)
-    cfg.update(overrides)
-    if overrides.get("SHORT") is False and "SHORT_SELECT" not in overrides:
-        cfg["SHORT_SELECT"] = False  # SHORT=False: the radix path throughout (A/B against it)
-    num_warps = cfg.pop("num_warps")
-    merge_warps = cfg.pop("merge_warps")
+    cfg, num_warps, merge_warps = call_config(k, max_seq_len, rows, sms, major, overrides)
     cap, split = cfg["CAP"], cfg["SPLIT"]
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
@@ -844,8 +851,8 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
     if max_seq_len > cap:  # rows longer than CAP exist: pass 1 (rows <= CAP are skipped there)
         plan.append((_topk_segment_kernel, dict(K=k, MODE=mode, S=cfg["S"], CAP=cap, CHUNK=cfg["CHUNK"],
                                                 ZSIGMA=cfg["ZSIGMA"], SPLIT=split, BITS=cfg["BITS"],
-                                                SAMPLE_BITS=cfg.get("SAMPLE_BITS", SAMPLE_BITS),
-                                                SAMPLE_JOINT=int(bool(cfg.get("SAMPLE_JOINT", SAMPLE_JOINT)))),
+                                                SAMPLE_BITS=cfg["SAMPLE_BITS"],
+                                                SAMPLE_JOINT=int(bool(cfg["SAMPLE_JOINT"]))),
                      num_warps))
     plan.append((_topk_merge_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, CAP=cap, CHUNK=cfg["CHUNK"],
                                           RCHUNK=cfg["RCHUNK"], SPLIT=split, SPLIT_P=triton.next_power_of_2(split),
