@@ -294,13 +294,14 @@ def n_sets_for(H: int, T: int, fmt: str, l2_bytes: int) -> int:
     return max(2, min(64, math.ceil(3 * l2_bytes / bytes_moved(H, T, fmt))))
 
 
-def v2_fn(q, cache, idx, fmt, out, lse, k_scale=None):
+def v2_fn(q, cache, idx, fmt, out, lse, k_scale=None, config=None):
     """The Gluon v2 kernel (H <= 16; what TRITON_MLA_SPARSE dispatches there), its own split
-    policy, no fallback to v1 (an unsupported call raises)."""
+    policy, no fallback to v1 (an unsupported call raises); ``config``: overrides (e.g. MERGE)."""
     from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
     def f():
-        return sparse_mla_decode_v2(q, cache, idx, SOFTMAX_SCALE, fmt, k_scale, out=out, lse=lse, fallback=False)
+        return sparse_mla_decode_v2(q, cache, idx, SOFTMAX_SCALE, fmt, k_scale, out=out, lse=lse, fallback=False,
+                                    config=config)
     return f
 
 
@@ -328,6 +329,18 @@ def v2_arm(rec: dict, qs, cache, idx_sets, fmt, outs, lses, ro, rep: int, k_scal
         plan = _PLANS_V2.get(key)
         rec["v2_num_splits"] = plan.num_splits if plan is not None else None
         rec["v2_config"] = {k: v for k, v in plan.meta.items() if k != "maxnreg"} if plan is not None else None
+        if plan is not None and plan.num_splits > 1:
+            # both merges of the split launch under the same replay (v2_us is the dispatch's,
+            # named by v2_merge): the fused one (last-arriving split program) and the separate kernel
+            rec["v2_merge"] = "fused" if plan.fused else "separate"
+            for m in ("fused", "separate"):
+                fm = [v2_fn(qs[i], cache, idx_sets[i], fmt, outs[i], lses[i], k_scale, {"MERGE": m})
+                      for i in range(len(qs))]
+                outs[0].fill_(float("nan"))
+                lses[0].fill_(float("nan"))
+                fm[0]()
+                rec[f"v2_rel_err_{m}"] = rel_err(outs[0], ro)
+                rec[f"v2_us_{m}"] = rec["v2_us"] if m == rec["v2_merge"] else common.time_graph(fm, rep)
     except Exception as e:  # noqa: BLE001  (recorded, the v1 numbers of the point still count)
         rec["v2_error"] = repr(e)[:500]
 

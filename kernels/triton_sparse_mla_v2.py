@@ -246,6 +246,50 @@ if HAS_GLUON:
         rpk.store(r8_c.load(L_R8).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT))
 
     @gluon.jit
+    def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, cnt_ptr, t, hb, n_hb, num_heads, num_splits,
+                       stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                       BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """FUSED_MERGE: called by every split program of (row ``t``, head block ``hb``) after its
+        partial (o, lse) stores. The program whose arrival brings the counter to ``num_splits``
+        merges all partials into out / lse (in split order: the result does not depend on which
+        program arrives last) and resets the counter to 0, so no per-call memset is needed. v1's
+        fused merge (``_merge_partials``) with the same ordering argument: the CTA barrier puts
+        every thread's partial stores before the one thread's gpu-scope acq_rel atomic, whose
+        result reaches the other threads through shared memory and a barrier; the partials of the
+        other programs are then read past L1 (``.cg``)."""
+        DV: gl.constexpr = 512
+        _cta_barrier()
+        cnt = cnt_ptr + (t * n_hb + hb)
+        arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            L_O: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, NUM_WARPS], [1, 0])  # [BLOCK_H, 512]
+            offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_O))
+            hmask = offs_h < num_heads
+            offs_d = gl.arange(0, DV, layout=gl.SliceLayout(0, L_O))
+            base = (t.to(gl.int64) * num_heads + offs_h) * num_splits
+            m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, L_O))
+            for s in range(0, num_splits):
+                ls = gl.load(plse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+                m = gl.maximum(m, ls)
+            finite = m > float("-inf")
+            m_safe = gl.where(finite, m, 0.0)
+            wsum = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(1, L_O))
+            o = gl.full([BLOCK_H, DV], 0.0, gl.float32, layout=L_O)
+            for s in range(0, num_splits):
+                ls = gl.load(plse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+                w = gl.where(ls > float("-inf"), gl.exp2((ls - m_safe) * 1.4426950408889634), 0.0)
+                wsum = wsum + w
+                pp = po_ptr + (base + s)[:, None] * DV + offs_d[None, :]
+                o = o + w[:, None] * gl.load(pp, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+            inv = gl.where(finite, 1.0 / gl.where(finite, wsum, 1.0), 0.0)
+            OT: gl.constexpr = out_ptr.dtype.element_ty
+            o_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h[:, None] * stride_oh
+            gl.store(o_row + offs_d[None, :] * stride_od, (o * inv[:, None]).to(OT), mask=hmask[:, None])
+            lse = gl.where(finite, m_safe + gl.log2(gl.where(finite, wsum, 1.0)) * 0.6931471805599453, float("-inf"))
+            gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
+            gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
     def _q_op(q_smem, q_ops, j: gl.constexpr, Q_REGS: gl.constexpr, OP_A: gl.constexpr):
         """q's A operand of K-chunk ``j`` (0-7: latent columns 64j.., 8: the rope): from the
         registers loaded before the loop (Q_REGS) or re-read from shared memory."""
@@ -358,7 +402,7 @@ if HAS_GLUON:
     @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
                                   "tiles_per_split"])
     def _sparse_mla_v2_kernel(
-        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, cnt_ptr,
         qk_scale_log2,
         num_heads, topk, num_slots, block_size,
         stride_qt, stride_qh, stride_qd,
@@ -368,6 +412,7 @@ if HAS_GLUON:
         stride_lt, stride_lh,
         num_splits, tiles_per_split,
         SPLIT: gl.constexpr,
+        FUSED_MERGE: gl.constexpr,
         BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr,
         NUM_WARPS: gl.constexpr,
@@ -496,6 +541,9 @@ if HAS_GLUON:
             gl.store(po + 2 * GROUP, acc2 * inv[:, None], mask=hmask[:, None])
             gl.store(po + 3 * GROUP, acc3 * inv[:, None], mask=hmask[:, None])
             gl.store(plse_ptr + prow, lse, mask=hmask)
+            if FUSED_MERGE:
+                _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, cnt_ptr, t, hb, n_hb, num_heads, num_splits,
+                               stride_ot, stride_oh, stride_od, stride_lt, stride_lh, BLOCK_H, NUM_WARPS)
         else:
             OT: gl.constexpr = out_ptr.dtype.element_ty
             o_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h[:, None] * stride_oh
@@ -678,7 +726,7 @@ if HAS_GLUON:
     @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
                                   "tiles_per_split"])
     def _sparse_mla_v2_km_kernel(
-        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, cnt_ptr,
         qk_scale_log2,
         num_heads, topk, num_slots, block_size,
         stride_qt, stride_qh, stride_qd,
@@ -689,6 +737,7 @@ if HAS_GLUON:
         num_splits, tiles_per_split,
         v_scale, kscale_ptr,
         SPLIT: gl.constexpr,
+        FUSED_MERGE: gl.constexpr,
         BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr,
         NUM_WARPS: gl.constexpr,
@@ -836,6 +885,9 @@ if HAS_GLUON:
             gl.store(po + 2 * GROUP, acc2 * inv[None, :], mask=hmask[None, :])
             gl.store(po + 3 * GROUP, acc3 * inv[None, :], mask=hmask[None, :])
             gl.store(plse_ptr + prow, lse, mask=hmask)
+            if FUSED_MERGE:
+                _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, cnt_ptr, t, hb, n_hb, num_heads, num_splits,
+                               stride_ot, stride_oh, stride_od, stride_lt, stride_lh, BLOCK_H, NUM_WARPS)
         else:
             OT: gl.constexpr = out_ptr.dtype.element_ty
             o_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h[None, :] * stride_oh
@@ -930,11 +982,26 @@ def v2_kernel_config(cc_major: int) -> dict:
             "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
+# The fused merge (``_merge_if_last``) is written, CPU-emulated and compile-checked, not yet timed
+# on a GPU: until it is, the dispatch keeps the separate merge kernel (config MERGE="fused" or
+# GLM5_SPARSE_MLA_MERGE=fused run it; bench/sparse_mla_decode.py times both at every split point:
+# v2_us_fused / v2_us_separate). True makes the dispatch take v1's measured rule (fused at <=
+# FUSED_MERGE_MAX_SPLITS splits: on the H200 v1's fused merge saved 5-59 us at 2-5 splits and lost
+# at 8+; docs/notes/sparse_mla.md).
+V2_FUSED_MERGE = False
+
+# config keys that choose how a launch is organized, not a kernel's tiles (an override of only these
+# keeps the dispatch's kernel)
+_LAUNCH_ONLY_KEYS = {"MERGE"}
+
+
 def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None,
                       kv_format: str = "fp8_ds_mla") -> dict:
     """The dispatch's configuration with ``config``'s keys on top. An override that does not set
     ``KEYS_M`` tunes the 16-head-block kernel: where the dispatch picked KEYS_M, it applies to that
-    kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles).
+    kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles);
+    an override of only ``MERGE`` (``"fused"`` / ``"separate"``: the merge of a split launch)
+    keeps the dispatch's kernel.
     16-bit rows (any ``kv_format`` but fp8_ds_mla) start from :func:`rows16_config` (or the first
     ROWS16 config where the dispatch would not run them: an override asked for v2)."""
     if kv_format != "fp8_ds_mla":
@@ -948,7 +1015,7 @@ def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: di
         return cfg
     cfg = dict(pick_config_v2(num_heads, cc_major, num_tokens))
     if config:
-        if cfg.get("KEYS_M") and not config.get("KEYS_M"):
+        if cfg.get("KEYS_M") and not config.get("KEYS_M") and set(config) - _LAUNCH_ONLY_KEYS:
             cfg = v2_kernel_config(cc_major)
         cfg.update(config)
     return cfg
@@ -1112,7 +1179,7 @@ class _PlanV2:
     """A validated, planned v2 call: what a later call with the same key launches directly."""
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
-                 "v_scale", "kscale_from_ptr",
+                 "v_scale", "kscale_from_ptr", "fused", "cnt_numel",
                  "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
 
 
@@ -1192,6 +1259,16 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     p.num_splits = _splits_for(cfg, T, n_hb, n_tiles, num_sms, num_splits)
     tiles_per_split = triton.cdiv(n_tiles, p.num_splits)
     split = p.num_splits > 1
+    # the merge of a split launch: fused into the split kernel (its last-arriving program per
+    # (row, head block) merges) or v1's separate merge kernel; see V2_FUSED_MERGE
+    p.fused = False
+    if split:
+        merge = cfg.get("MERGE") or _v1._merge_override() or (
+            _v1._pick_merge(T, H, bh, p.num_splits, num_sms) if V2_FUSED_MERGE else "separate")
+        if merge not in _v1.MERGE_MODES:
+            raise ValueError(f"config MERGE must be one of {_v1.MERGE_MODES}, got {merge!r}")
+        p.fused = merge == "fused"
+    p.cnt_numel = T * n_hb if p.fused else 0
     ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
     lst = lse.stride() if lse is not None else (H, 1)
     p.grid = (T * n_hb * p.num_splits,)
@@ -1199,7 +1276,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0) * esz, kv.stride(1) * esz,
               indices.stride(0), indices.stride(1), ost[0], ost[1], ost[2], lst[0], lst[1],
               p.num_splits, tiles_per_split)
-    consts = dict(SPLIT=split, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
+    consts = dict(SPLIT=split, FUSED_MERGE=p.fused, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
     p.keys_m = bool(cfg.get("KEYS_M", False))
@@ -1248,14 +1325,15 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         else:
             pp, plp = op, lp  # unused by the kernel
         stream = _v1._raw_stream(p.dev_index)
+        cntp = _v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
         if p.keys_m:  # + the fp8 scale's two parameters (any valid pointer when unused)
             k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, p.v_scale,
+                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp, *t, p.v_scale,
                   k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.consts)
         else:
             k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, *t, *p.consts)
-        if split:
+                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp, *t, *p.consts)
+        if split and not p.fused:
             m = p.merge_kernel
             m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
                   pp, plp, op, lp, H, p.num_splits, t[12], t[13], t[14], t[15], t[16], *p.merge_consts)
@@ -1268,19 +1346,23 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         plse = torch.empty((T, H, p.num_splits), dtype=torch.float32, device=q.device)
     else:
         po, plse = out, lse  # unused
+    if p.fused:  # arrival counters: zero between calls (the merging program resets its own)
+        cnt = _v1._counters(q.device, p.dev_index, _v1._raw_stream(p.dev_index) if q.is_cuda else 0, p.cnt_numel)
+    else:
+        cnt = plse  # unused by the kernel
     if p.keys_m:
-        k = _sparse_mla_v2_km_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, p.v_scale,
+        k = _sparse_mla_v2_km_kernel[p.grid](q, kv, indices, out, lse, po, plse, cnt, *t, p.v_scale,
                                              k_scale if p.kscale_from_ptr else lse, **p.meta)
     else:
-        k = _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, *t, **p.meta)
+        k = _sparse_mla_v2_kernel[p.grid](q, kv, indices, out, lse, po, plse, cnt, *t, **p.meta)
     m = None
-    if split:
+    if split and not p.fused:
         # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
         m = _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, H, p.num_splits,
                                                        t[12], t[13], t[14], t[15], t[16], **p.merge_meta)
     if cache_kernels and p.kernel is None:
         k, m = _v1._compiled(k), _v1._compiled(m)
-        if k is not None and (m is not None or not split):
+        if k is not None and (m is not None or not split or p.fused):
             p.merge_kernel = m
             p.kernel = k
     return out, lse
@@ -1374,10 +1456,11 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             r16 = bool(c.get("ROWS16"))
             r8 = bool(c.get("ROWS8"))
             for qdt, qt in _PTR_TYPES.items():
-                for split in (False, True):
+                for split, fused in ((False, False), (True, False), (True, True)):
                     sig = {
                         "q_ptr": qt, "kv_ptr": "*u8", "idx_ptr": "*i32", "out_ptr": qt, "lse_ptr": "*fp32",
-                        "po_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale_log2": "fp32",
+                        "po_ptr": "*fp32", "plse_ptr": "*fp32", "cnt_ptr": "*i32" if fused else "*fp32",
+                        "qk_scale_log2": "fp32",
                         "num_heads": "i32", "topk": "i32", "num_slots": "i32", "block_size": "i32",
                         "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
                         "stride_kb": "i32", "stride_ks": "i32",
@@ -1389,12 +1472,12 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                     if km:  # the KEYS_M kernel's fp8 scale (runtime parameters, before the constexprs)
                         sig.update({"v_scale": "fp32", "kscale_ptr": "*fp32"})
                     sig.update({
-                        "SPLIT": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+                        "SPLIT": "constexpr", "FUSED_MERGE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
                         "NUM_WARPS": "constexpr", "QK_ACCS": "constexpr", "DQ_VEC": "constexpr",
                         "S_SWIZZLE": "constexpr", "RING": "constexpr", "Q_REGS": "constexpr",
                     })
                     cx = {"stride_qd": 1, "stride_ik": 1, "stride_od": 1, "stride_lh": 1,
-                          "SPLIT": split, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
+                          "SPLIT": split, "FUSED_MERGE": fused, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
                           "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring, "Q_REGS": qreg}
                     if km:  # the KEYS_M kernel's extra constexprs
                         sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr"})
@@ -1402,12 +1485,13 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                     specs.append({
                         "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_km' if km else ''}[{str(qdt).split('.')[-1]},"
                                  f"BH={bh},BN={bn},w={nw},qa={qa},"
-                                 f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}]"),
+                                 f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}"
+                                 + (f",merge={'fused' if fused else 'separate'}]" if split else "]")),
                         "fn": _sparse_mla_v2_km_kernel if c.get("KEYS_M") else _sparse_mla_v2_kernel,
                         "signature": sig,
                         "constexprs": cx,
                         "divisible_by_16": ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr",
-                                            "plse_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
+                                            "plse_ptr", "cnt_ptr", "stride_qt", "stride_qh", "stride_kb", "stride_ks",
                                             "stride_it", "stride_ot", "stride_oh"],
                         "num_warps": nw,
                         "num_stages": 1,

@@ -55,6 +55,9 @@ class T:
     __le__ = lambda s, o: s._bin(o, lambda a, b: a <= b)
     __gt__ = lambda s, o: s._bin(o, lambda a, b: a > b)
     __ge__ = lambda s, o: s._bin(o, lambda a, b: a >= b)
+    __eq__ = lambda s, o: s._bin(o, lambda a, b: a == b)
+    __ne__ = lambda s, o: s._bin(o, lambda a, b: a != b)
+    __hash__ = object.__hash__
     __and__ = lambda s, o: s._bin(o, lambda a, b: a & b)
     __or__ = lambda s, o: s._bin(o, lambda a, b: a | b)
     __neg__ = lambda s: T(-s.a)
@@ -138,7 +141,7 @@ class Ptr:
         idx, mask, es = self._idx(mask)
         v = torch.broadcast_to(_a(val).to(self.dt) if isinstance(_a(val), torch.Tensor)
                                else torch.tensor(_a(val)).to(self.dt), idx.shape[:-1])
-        b = v.contiguous().view(torch.uint8).view(*idx.shape)
+        b = v.contiguous().reshape(-1).view(torch.uint8).view(*idx.shape)
         self.buf[idx[mask]] = b[mask]
 
 
@@ -246,13 +249,27 @@ def make_gl():
     g.convert_layout = lambda x, layout, assert_trivial=False: x
     g.thread_barrier = lambda: None
 
-    def load(ptr, mask=None, other=None):
+    def load(ptr, mask=None, other=None, cache_modifier=""):
         return T(ptr.load(mask, other))
 
     def store(ptr, val, mask=None):
         ptr.store(val, mask)
 
     g.load, g.store = load, store
+    g.exp = lambda x: T(torch.exp(_a(x)))
+    g.log = lambda x: T(torch.log(_a(x)))
+
+    def atomic(op):
+        def rmw(ptr, val, mask=None, sem=None, scope=None):
+            # scalar read-modify-write (programs run one after another: atomic by construction)
+            assert not isinstance(ptr.off, torch.Tensor) or ptr.off.dim() == 0, "scalar atomics only"
+            old = ptr.load()
+            ptr.store(op(old, _a(val)))
+            return T(old)
+        return rmw
+
+    g.atomic_add = atomic(lambda old, v: old + v)
+    g.atomic_xchg = atomic(lambda old, v: torch.as_tensor(v))
 
     def allocate_shared_memory(dt, shape, layout, value=None):
         return Smem(_garbage(list(shape), dt), _PROGRAM["arena"])
@@ -302,12 +319,15 @@ class EmulatedLaunch:
     def __init__(self, module, name):
         self.fn = emulated(module, name)
         self.launches = 0
+        # program order: None = ascending pid; else a function n -> a permutation of range(n)
+        # (e.g. to make another program than the last split the last arriver of a fused merge)
+        self.order = None
 
     def __getitem__(self, grid):
         def run(*args, num_warps=None, maxnreg=None, num_stages=None, **consts):
             conv = [Ptr.of(a) if isinstance(a, torch.Tensor) else a for a in args]
             n = grid[0] if isinstance(grid, tuple) else grid
-            for pid in range(n):
+            for pid in (range(n) if self.order is None else self.order(n)):
                 _PROGRAM["pid"] = pid
                 _PROGRAM["arena"] = Arena()
                 self.fn(*conv, **consts)

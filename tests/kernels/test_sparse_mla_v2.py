@@ -118,7 +118,7 @@ for s in m.compile_specs(9, cfgs):
 print(json.dumps(rows))
 '''
     rows = _run_compiled(code)
-    assert len(rows) == 2 * (len(v2.TUNING_CONFIGS) + 1)
+    assert len(rows) == 3 * (len(v2.TUNING_CONFIGS) + 1)  # no split, split with each merge
     for row in rows:
         print(row)
         bn = int(row["name"].split("BN=")[1].split(",")[0])
@@ -149,7 +149,7 @@ for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS + m.ROWS8_CONFIGS:
 print(json.dumps(rows))
 '''
     rows = _run_compiled(code)
-    assert len(rows) == 2 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS) + len(v2.ROWS8_CONFIGS))
+    assert len(rows) == 3 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS) + len(v2.ROWS8_CONFIGS))
     for row in rows:
         assert row["stack"] == 0 and row["local"] == 0, row
         assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True, rows16=row["rows16"],
@@ -193,11 +193,11 @@ def test_v2_specs_cover_every_dispatch_config():
             for t in (1, 2, 64, 4096):
                 c = v2.pick_config_v2(h, cc, t)
                 for dt in ("bfloat16", "float16"):
-                    for split in (0, 1):
+                    for split in ("0]", "1,merge=separate]", "1,merge=fused]"):
                         n = (f"sparse_mla_v2{'_km' if c.get('KEYS_M') else ''}[{dt},BH={c['BLOCK_H']},"
                              f"BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
                              f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
-                             f"ring={c.get('RING', 2)},qreg={c.get('Q_REGS', 0)},split={split}]")
+                             f"ring={c.get('RING', 2)},qreg={c.get('Q_REGS', 0)},split={split}")
                         assert n in names, n
                 if c.get("KEYS_M"):
                     assert cc == 9 and {k: c[k] for k in km[0]} in km, c
@@ -210,9 +210,10 @@ def test_v2_specs_cover_every_dispatch_config():
                     c = rule(h, cc, t)
                     if c is not None:
                         assert cc == 9 and {k: c[k] for k in table[0]} in [dict(x) for x in table]
-                        n = (f"sparse_mla_v2_{tag}[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},qa={c['QK_ACCS']},"
-                             f"dq={c['DQ_VEC']},sw=0,ring={c.get('RING', 2)},qreg=0,split=1]")
-                        assert n in names, n
+                        for split in ("0]", "1,merge=separate]", "1,merge=fused]"):
+                            n = (f"sparse_mla_v2_{tag}[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
+                                 f"qa={c['QK_ACCS']},dq={c['DQ_VEC']},sw=0,ring={c.get('RING', 2)},qreg=0,split={split}")
+                            assert n in names, n
 
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
@@ -803,7 +804,7 @@ def test_gpu_v2_direct_launch(num_splits, seed):
     key = v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, num_splits)
     plan = v2._PLANS_V2[key]
     assert plan.kernel is not None, "the first launch did not leave a directly launchable kernel"
-    assert (plan.merge_kernel is not None) == (plan.num_splits > 1)
+    assert (plan.merge_kernel is not None) == (plan.num_splits > 1 and not plan.fused)
     for _ in range(2):
         o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=num_splits, fallback=False)
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -813,6 +814,65 @@ def test_gpu_v2_direct_launch(num_splits, seed):
         q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
         idx.copy_(torch.randint(-10, nb * bs + 10, idx.shape, device="cuda", dtype=torch.int32))
         check(q, cache, idx, num_splits=num_splits, out=out, lse=lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,fmt", [(8, "fp8_ds_mla"), (16, "fp8_ds_mla"), (8, "bfloat16"), (8, "fp8")])
+@pytest.mark.parametrize("T", [4, 64])
+def test_gpu_v2_merges(H, fmt, T, seed):
+    """Both merges of a split launch (the dispatch's kernel for the shape: KEYS_M / ROWS16 / ROWS8
+    or the 16-head kernel) against float64 and each other, at 2 and 4 splits: the JIT launch, the
+    direct launches after it (same bits) and a CUDA graph replay with the fused merge; the arrival
+    counters are zero after every call (the merging program resets its own)."""
+    nb, bs = 256, 64
+    if fmt == "fp8_ds_mla":
+        cache, k_scale = make_cache(nb, bs, torch.bfloat16, "cuda"), None
+    elif fmt == "bfloat16":
+        cache, k_scale = torch.randn((nb, bs, 576), device="cuda").to(torch.bfloat16), None
+    else:
+        cache = (torch.randn((nb, bs, 576), device="cuda") * 3).to(torch.float8_e4m3fn).view(torch.uint8)
+        k_scale = torch.tensor([0.37], device="cuda")
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-10, nb * bs + 10, (T, 2048), device="cuda", dtype=torch.int32)
+    idx[1] = -1
+    for ns in (2, 4):
+        res = {}
+        for merge in ("fused", "separate"):
+            v2._PLANS_V2.clear()
+            for _ in range(3):  # JIT launch, then direct launches
+                check(q, cache, idx, num_splits=ns, config={"MERGE": merge}, kv_format=fmt, k_scale=k_scale)
+                o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, k_scale, num_splits=ns,
+                                               config={"MERGE": merge}, fallback=False)
+                if merge in res:
+                    assert torch.equal(o, res[merge][0]) and torch.equal(l, res[merge][1])
+                res[merge] = (o, l)
+            torch.cuda.synchronize()
+            assert all(not c.any() for c in v1._COUNTERS.values()), "an arrival counter was left non-zero"
+        torch.testing.assert_close(res["fused"][0].float(), res["separate"][0].float(), atol=2e-2, rtol=2e-2)
+        fin = torch.isfinite(res["separate"][1])
+        assert torch.equal(torch.isfinite(res["fused"][1]), fin)
+        assert (res["fused"][1][fin] - res["separate"][1][fin]).abs().max().item() < 1e-4
+    # CUDA graph with the fused merge: new data in the same buffers
+    out = torch.empty((T, H, 512), device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty((T, H), device="cuda", dtype=torch.float32)
+    cfg = {"MERGE": "fused"}
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, k_scale, out=out, lse=lse, num_splits=3, config=cfg,
+                            fallback=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, k_scale, out=out, lse=lse, num_splits=3, config=cfg,
+                                fallback=False)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
+        idx.copy_(torch.randint(-10, nb * bs + 10, idx.shape, device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, k_scale, num_splits=3, config=cfg, fallback=False)
+        assert torch.equal(out, o) and torch.equal(lse, l)
+        assert all(not c.any() for c in v1._COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -855,6 +915,55 @@ def test_v2_slot_split_policy():
     assert v2.v2_num_splits(128, 8, 2048, 12, 188) == f(128, 1, 64, 188, 2)
     assert v2.v2_num_splits(128, 8, 2048, 9, 132, num_splits=5) == 5
     assert v2.v2_num_splits(128, 8, 2048, 9, 132, config={"WAVES": 4, "MIN_TILES": 1}) == 5
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("keys_m", [False, True])
+def test_emulated_v2_fused_merge(emulated_v2, monkeypatch, keys_m, seed):
+    """The split launch's two merges (MERGE "fused": the last-arriving split program merges; and
+    v1's separate merge kernel) against float64 and against each other, with the programs run in
+    ascending, descending and a shuffled order (so the merging program is a different split each
+    time); the arrival counters are zero again after every fused call; with V2_FUSED_MERGE the
+    dispatch takes the fused merge at <= FUSED_MERGE_MAX_SPLITS splits and the separate one above
+    (without it, separate everywhere), and an override of only MERGE keeps the dispatch's kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    cache = _cpu_cache(nb, bs, torch.float16, gen)
+    cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=32, NUM_WARPS=2, RING=1) if keys_m else {}
+    launch = emulated_v2.km if keys_m else emulated_v2
+    q, idx = _edge_batch(gen, nb, bs, T, 11, topk, torch.float16, dup=160)
+    perm = torch.randperm(10_000, generator=gen).tolist()
+    orders = {"ascending": None, "descending": lambda n: range(n - 1, -1, -1),
+              "shuffled": lambda n: [i for i in perm if i < n]}
+    results = {}
+    for merge in ("fused", "separate"):
+        for name, order in orders.items():
+            launch.order = order
+            _check_emulated(q, cache, idx, "fp8_ds_mla", 3, dict(cfg, MERGE=merge))
+            out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=3,
+                                               config=dict(cfg, MERGE=merge), fallback=False)
+            results[merge, name] = (out, lse)
+            if merge == "fused":  # every merging program reset its counter (CPU: device index -1, stream 0)
+                assert not v2._v1._COUNTERS[(-1, 0)].any()
+    launch.order = None
+    for name in orders:  # the fused merge adds the partials in split order, whatever the arrival order
+        assert torch.equal(results["fused", name][0], results["fused", "ascending"][0])
+        torch.testing.assert_close(results["fused", name][0].float(), results["separate", name][0].float(),
+                                   atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(results["fused", name][1], results["separate", name][1], atol=1e-4, rtol=1e-5)
+    # the plans: with V2_FUSED_MERGE (off until timed: separate everywhere) fused at <=
+    # FUSED_MERGE_MAX_SPLITS splits, separate above and without a split
+    assert v2._v1.FUSED_MERGE_MAX_SPLITS == 5  # (300 keys: 10 tiles of 32, so 10 splits exist)
+    for on in (False, True):
+        monkeypatch.setattr(v2, "V2_FUSED_MERGE", on)
+        for ns, fused in ((1, False), (3, on), (5, on), (10, False)):
+            p = v2._plan_v2(q, cache, idx, SCALE, None, None, ns, cfg or None)
+            assert p.num_splits == ns and p.fused is fused, (ns, p.num_splits, p.fused)
+            assert p.keys_m is keys_m
+    p = v2._plan_v2(q, cache, idx, SCALE, None, None, 2, dict(cfg, MERGE="separate"))
+    assert not p.fused and p.keys_m is keys_m
+    with pytest.raises(ValueError, match="MERGE"):
+        v2._plan_v2(q, cache, idx, SCALE, None, None, 2, dict(cfg, MERGE="both"))
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
