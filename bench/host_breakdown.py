@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the host time of one eager ``sparse_mla_decode_v2`` call goes (issue 11: < 10 us).
+
+vLLM's default piecewise CUDA graphs run attention eagerly for prefill and mixed batches, so the
+wrapper's Python and launch cost is paid per layer there. For each shape (T query rows, H heads,
+fp8_ds_mla, top-k 2048) this times, as medians of ``common.host_us`` (wall time of one call, the
+queue drained every 16 calls outside the timed region):
+
+* ``call``            the whole call as the backend makes it (outputs allocated by the wrapper)
+* ``call_given_out``  the whole call with caller-provided out / lse
+* ``plan_key``        the plan-cache lookup (v1's ``_plan_key`` + the dict get)
+* ``empty_out`` / ``empty_lse`` / ``empty_scratch``  one ``torch.empty`` of each
+* ``kernel_run`` / ``merge_run``  one ``CompiledKernel.run`` of the attention / merge kernel
+* ``data_ptr_x5``     five ``data_ptr()`` reads
+
+for the dispatch's merge and, at split points, for both merges (``MERGE`` fused / separate).
+Results: ``--out`` JSON (records + the command). GPU only.
+
+  python3 bench/host_breakdown.py --out bench/results/host_breakdown_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SCALE = 0.0416
+SHAPES = ((1, 8), (64, 8), (128, 8), (64, 16), (8192, 8))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``T:H,T:H`` -> [(T, H), ...]"""
+    out = []
+    for part in text.split(","):
+        t, h = part.split(":")
+        out.append((int(t), int(h)))
+    return out
+
+
+def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
+    import torch
+
+    from kernels import triton_sparse_mla as v1
+    from kernels import triton_sparse_mla_v2 as v2
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(T * 31 + H)
+    cache = torch.randint(0, 255, (4096, 64, 656), dtype=torch.uint8, device=dev, generator=g)
+    cache.view(torch.float32)[:, :, 128:132] = 0.01  # finite group scales
+    q = torch.randn((T, H, 576), device=dev, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 4096 * 64, (T, 2048), device=dev, dtype=torch.int32, generator=g)
+    out = torch.empty((T, H, 512), device=dev, dtype=torch.bfloat16)
+    lse = torch.empty((T, H), device=dev, dtype=torch.float32)
+    if merge is not None:  # GLM5_SPARSE_MLA_MERGE steers the dispatch without a config (a config
+        import os          # would take the planning path every call)
+        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge
+    v2._PLANS_V2.clear()
+    try:
+        def call():
+            return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
+
+        def call_out():
+            return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse)
+
+        for f in (call, call, call_out, call_out):  # plan + compile, then the direct path
+            f()
+        torch.cuda.synchronize()
+        key = v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, None)
+        p = v2._PLANS_V2[key]
+        rec = {"T": T, "H": H, "merge_env": merge, "num_splits": p.num_splits, "fused": bool(p.fused),
+               "keys_m": bool(p.keys_m), "direct": p.kernel is not None}
+        rec["call"] = common.host_us(call, calls=calls)
+        rec["call_given_out"] = common.host_us(call_out, calls=calls)
+        rec["plan_key"] = common.host_us(
+            lambda: v2._PLANS_V2.get(v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, None)),
+            calls=calls)
+        rec["empty_out"] = common.host_us(lambda: torch.empty((T, H, 512), dtype=q.dtype, device=dev), calls=calls)
+        rec["empty_lse"] = common.host_us(lambda: torch.empty((T, H), dtype=torch.float32, device=dev), calls=calls)
+        rec["data_ptr_x5"] = common.host_us(
+            lambda: (q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr()), calls=calls)
+        if p.num_splits > 1:
+            n = T * H * p.num_splits
+            rec["empty_scratch"] = common.host_us(lambda: torch.empty(n * 513, dtype=torch.float32, device=dev),
+                                                  calls=calls)
+        k = p.kernel
+        if k is not None:
+            stream = v1._raw_stream(p.dev_index)
+            n = T * H * p.num_splits
+            scratch = torch.empty(max(1, n * 513), dtype=torch.float32, device=dev)
+            pp = scratch.data_ptr()
+            plp = pp + n * 512 * 4
+            cntp = v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
+            args = (q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr(), pp, plp, cntp,
+                    *p.tail)
+            if p.keys_m:
+                args = args + (p.v_scale, lse.data_ptr())
+            args = args + tuple(p.consts)
+            if p.num_splits == 1 or p.fused:  # a launch that needs no merge kernel after it
+                rec["kernel_run"] = common.host_us(
+                    lambda: k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args),
+                    calls=calls)
+            m = p.merge_kernel
+            if m is not None:
+                t = p.tail
+                margs = (pp, plp, out.data_ptr(), lse.data_ptr(), H, p.num_splits, t[12], t[13], t[14], t[15], t[16],
+                         *p.merge_consts)
+                rec["merge_run"] = common.host_us(
+                    lambda: m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
+                                  *margs), calls=calls)
+        torch.cuda.synchronize()
+        return rec
+    finally:
+        if merge is not None:
+            import os
+            os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{t}:{h}" for t, h in SHAPES), help="T:H,T:H,...")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "host_breakdown_h100.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("host_breakdown: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    records = []
+    for T, H in parse_shapes(args.shapes):
+        for merge in (None, "fused", "separate"):
+            rec = measure(T, H, merge, args.calls)
+            if merge is not None and rec["num_splits"] == 1:
+                continue  # no split: no merge to compare
+            records.append(rec)
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "unit": "us (median wall time of one call)", "records": records,
+              "wall_s": time.time() - t0}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
