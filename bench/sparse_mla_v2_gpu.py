@@ -387,6 +387,9 @@ def main(argv=None) -> int:
                     help="also time the bf16 cache format at the largest context: v1 against v2's ROWS16 configs")
     ap.add_argument("--rows8", action="store_true",
                     help="also time the fp8 cache format at the largest context: v1 against v2's ROWS8 configs")
+    ap.add_argument("--fold", action="store_true",
+                    help="also time the dispatch's config with FOLD (KEYS_M points) and with MERGE fused "
+                         "(split points), each as a change of the dispatch's own config")
     ap.add_argument("--sweep-all-t", action="store_true",
                     help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
     args = ap.parse_args(argv)
@@ -511,6 +514,27 @@ def main(argv=None) -> int:
                             rec["v2_us"] = time_graph([(lambda s=s: v2.sparse_mla_decode_v2(
                                 s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c2, fallback=False))
                                 for s in sets])
+                        if args.fold and reason is None:
+                            # FOLD (e4m3 consumed as fp16, scales folded) and the fused merge, each
+                            # on top of the dispatch's config; checked against the dispatch's output
+                            base = dict(v2.resolve_config_v2(H, v1._dispatch_major(cc), T, c2))
+                            s0 = sets[0]
+                            v2.sparse_mla_decode_v2(s0[0], pool, s0[1], SCALE, "fp8_ds_mla", out=s0[2], lse=s0[3],
+                                                    config=c2, fallback=False)
+                            ref_o = s0[2].clone()
+                            extra = {"merge_fused": {"MERGE": "fused"}}
+                            if base.get("KEYS_M"):
+                                extra["fold"] = {"FOLD": True}
+                                extra["fold_merge_fused"] = {"FOLD": True, "MERGE": "fused"}
+                            for name, over in extra.items():
+                                cx = dict(base, **over)
+                                v2.sparse_mla_decode_v2(s0[0], pool, s0[1], SCALE, "fp8_ds_mla", out=s0[2],
+                                                        lse=s0[3], config=cx, fallback=False)
+                                rec[f"v2_{name}_vs_v2_rel"] = ((s0[2].float() - ref_o.float()).norm()
+                                                               / ref_o.float().norm()).item()
+                                rec[f"v2_{name}_us"] = time_graph([(lambda s=s, cx=cx: v2.sparse_mla_decode_v2(
+                                    s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=cx,
+                                    fallback=False)) for s in sets])
                         c1 = v1cfg(H, T)
                         rec["v1_us"] = time_graph([(lambda s=s: v1.sparse_mla_decode(
                             s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c1)) for s in sets])

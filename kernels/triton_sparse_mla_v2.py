@@ -604,16 +604,91 @@ if HAS_GLUON:
         acc3 = mma_v2(v3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
         return m_new, l_i, acc0, acc1, acc2, acc3
 
+    # FOLD (KEYS_M over fp8_ds_mla): the latent is consumed as e4m3 converted to fp16 unscaled (one
+    # cvt per two values, exact) instead of e4m3 -> f32 x scale -> q's dtype (six instructions per
+    # two values, ~45% of the loop's instructions: sm_90 SASS); the per-(key, group) scales are
+    # folded into S^T (its rows are the keys: one multiply per group accumulator) and into P^T per
+    # group (four fp16 B operands of O^T += V^T P^T). q's latent goes to fp16 divided by rq, a power
+    # of two that is 1 unless some |q| >= 2^15 (exact, no overflow; S is multiplied back in fp32); P^T x scale is divided by a running
+    # maximum R of the scales seen (<= 1 in fp16, no overflow whatever the cache holds), and the
+    # accumulators are rescaled when R grows (folded into the softmax's alpha), O = acc x R / l.
+    # The rope stays in q's dtype (its tile comes from the ring as stored).
+
+    @gluon.jit
+    def _convert_groups(lat_c, k0, k1, k2, k3, L_DQ: gl.constexpr):
+        """A ring stage's latent bytes -> the four fp16 K tiles, unscaled (FOLD)."""
+        GROUP: gl.constexpr = 128
+        k0.store(lat_c.slice(0 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        k1.store(lat_c.slice(1 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        k2.store(lat_c.slice(2 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        k3.store(lat_c.slice(3 * GROUP, GROUP, dim=1).load(L_DQ).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+
+    @gluon.jit
+    def _tile_scales(kv_ptr, slot, num_slots, block_size, stride_kb, stride_ks):
+        """The four fp32 group scales of a tile's rows, in the layout of ``slot`` (0 for no row).
+        Read from global memory (L2: the ring's copies of these rows just passed through it) in
+        the layout each use needs, so no layout conversion (and no barrier) is added."""
+        valid, row = _rows(slot, num_slots, block_size, stride_kb, stride_ks)
+        sp = (kv_ptr + row + _DS_SCALE_OFFSET).to(gl.pointer_type(gl.float32))
+        return (gl.load(sp, mask=valid, other=0.0), gl.load(sp + 1, mask=valid, other=0.0),
+                gl.load(sp + 2, mask=valid, other=0.0), gl.load(sp + 3, mask=valid, other=0.0))
+
+    @gluon.jit
+    def _km_scores_fold(a0, a1, a2, a3, arp, qt, c0, c1, c2, c3, rq, BLOCK_N: gl.constexpr,
+                        BLOCK_H: gl.constexpr, MMA: gl.constexpr, OP_A: gl.constexpr):
+        """S^T = K q^T with fp16 e4m3 K tiles and fp16 q / rq: each group's accumulator times its
+        per-key scale (``c*``: [BLOCK_N] along the keys), times rq, plus the rope's (q's dtype)."""
+        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        sr = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
+        s0 = mma_v2(a0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
+        s0 = mma_v2(a0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
+        s1 = mma_v2(a1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
+        s1 = mma_v2(a1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
+        s2 = mma_v2(a2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
+        s2 = mma_v2(a2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
+        s3 = mma_v2(a3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
+        s3 = mma_v2(a3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
+        sr = mma_v2(arp.load(OP_A), qt[8], sr)
+        lat = (s0 * c0[:, None] + s1 * c1[:, None]) + (s2 * c2[:, None] + s3 * c3[:, None])
+        return lat * rq + sr
+
+    @gluon.jit
+    def _km_softmax_pv_fold(s_smem, m_i, l_i, r_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, c0, c1, c2, c3,
+                            MMA: gl.constexpr, OP_A: gl.constexpr, OP_B: gl.constexpr):
+        """``_km_softmax_pv`` with the group scales folded into P^T (``c*``: [BLOCK_N] along the
+        keys in the B operand's layout; every warp holds all keys of the tile, so the tile's largest
+        scale is warp-local) over the fp16 e4m3 V tiles; ``r_i``: the running scale maximum R.
+        Returns (m, l, R, acc0..acc3)."""
+        s = s_smem.load(OP_B)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        cmax = gl.max(gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3)), axis=0)
+        r_new = gl.maximum(gl.maximum(r_i, cmax), 1.0e-30)
+        alpha_o = gl.convert_layout(alpha * (r_i / r_new), gl.SliceLayout(0, MMA))[None, :]
+        inv_r = 1.0 / r_new
+        acc0 = mma_v2(v0.permute((1, 0)).load(OP_A), (p * (c0 * inv_r)[:, None]).to(gl.float16), acc0 * alpha_o)
+        acc1 = mma_v2(v1.permute((1, 0)).load(OP_A), (p * (c1 * inv_r)[:, None]).to(gl.float16), acc1 * alpha_o)
+        acc2 = mma_v2(v2.permute((1, 0)).load(OP_A), (p * (c2 * inv_r)[:, None]).to(gl.float16), acc2 * alpha_o)
+        acc3 = mma_v2(v3.permute((1, 0)).load(OP_A), (p * (c3 * inv_r)[:, None]).to(gl.float16), acc3 * alpha_o)
+        return m_new, l_i, r_new, acc0, acc1, acc2, acc3
+
     @gluon.jit
     def _step_km(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                  qk_scale_log2, has_next,
                  lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, s_smem, qt,
-                 nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
+                 nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
                  BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-                 DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False):
+                 DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False, FOLD: gl.constexpr = False):
         """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state.
         ``ROWS8`` (fp8 rows): ``sc_*`` are the ring's raw rope stages, ``rp_c`` / ``rp_n`` the one
-        16-bit rope tile they are converted into (``nl_rp`` unused)."""
+        16-bit rope tile they are converted into (``nl_rp`` unused). ``FOLD`` (fp8_ds_mla): fp16
+        e4m3 K tiles with the group scales folded into S^T and P^T (``r_i``: the running scale
+        maximum, ``rq``: q's divisor; both unused otherwise)."""
         GROUP: gl.constexpr = 128
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
@@ -639,6 +714,8 @@ if HAS_GLUON:
                     stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP, ROWS8)
         if ROWS8:
             _dequant_fp8(lat_c, sc_c, k0, k1, k2, k3, rp_c, L_DQ, L_R8, DT)
+        elif FOLD:
+            _convert_groups(lat_c, k0, k1, k2, k3, L_DQ)
         else:
             _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
         _cta_barrier()
@@ -647,7 +724,13 @@ if HAS_GLUON:
                     stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP, ROWS8)
 
         # S^T = K q^T: each warp's 16 keys against the 8 heads, one accumulator per 128-group
-        s = _km_scores(k0, k1, k2, k3, rp_c, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
+        if FOLD:
+            sa0, sa1, sa2, sa3 = _tile_scales(kv_ptr, vs, num_slots, block_size, stride_kb, stride_ks)
+            sl_b = _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(1, OP_B))
+            sb0, sb1, sb2, sb3 = _tile_scales(kv_ptr, sl_b, num_slots, block_size, stride_kb, stride_ks)
+            s = _km_scores_fold(k0, k1, k2, k3, rp_c, qt, sa0, sa1, sa2, sa3, rq, BLOCK_N, BLOCK_H, MMA, OP_A)
+        else:
+            s = _km_scores(k0, k1, k2, k3, rp_c, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
 
         # softmax over the keys: S^T through shared memory into the B-operand layout of the PV
         # MMA (every warp holds all keys of the tile for its heads column, split over a quad)
@@ -657,9 +740,13 @@ if HAS_GLUON:
         if RING == 1 and not ROWS8:  # every warp's S^T (which read the rope from the stage) is done
             _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
                     stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
-        m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
-                                                            k0, k1, k2, k3, DT, MMA, OP_A, OP_B)
-        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3
+        if FOLD:
+            m_new, l_i, r_i, acc0, acc1, acc2, acc3 = _km_softmax_pv_fold(
+                s_smem, m_i, l_i, r_i, acc0, acc1, acc2, acc3, k0, k1, k2, k3, sb0, sb1, sb2, sb3, MMA, OP_A, OP_B)
+        else:
+            m_new, l_i, acc0, acc1, acc2, acc3 = _km_softmax_pv(s_smem, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                                k0, k1, k2, k3, DT, MMA, OP_A, OP_B)
+        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_i, acc0, acc1, acc2, acc3, r_i
 
     # ----------------------------------------------------------------------------------------
     # KEYS_M over 16-bit rows (KEYS_M16): the bf16 / fp16 cache format (1152-byte rows)
@@ -749,6 +836,7 @@ if HAS_GLUON:
         ROWS16: gl.constexpr = False,
         ROWS8: gl.constexpr = False,
         KSCALE_FROM_PTR: gl.constexpr = False,
+        FOLD: gl.constexpr = False,
     ):
         """The KEYS_M kernel: the same parameters as ``_sparse_mla_v2_kernel`` (one plan and launch
         path; QK_ACCS / S_SWIZZLE / Q_REGS are not used: 4 accumulators, q^T always in registers),
@@ -756,7 +844,8 @@ if HAS_GLUON:
         (bf16 / fp16 of q's dtype, 1152 B): a two-stage ring of the rows as they are (RING unused).
         ``ROWS8``: the cache holds fp8 rows (576 B, e4m3 x one per-tensor scale: ``v_scale``, or the
         fp32 at ``kscale_ptr`` with KSCALE_FROM_PTR; ``qk_scale_log2`` then excludes it); the other
-        formats pass ``v_scale`` 1.0 and any pointer."""
+        formats pass ``v_scale`` 1.0 and any pointer. ``FOLD`` (fp8_ds_mla only): the latent is
+        consumed as fp16 e4m3 with the group scales folded into S^T and P^T (see ``_convert_groups``)."""
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
         DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -777,9 +866,9 @@ if HAS_GLUON:
             rpa = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
             gb0, gb1, gb2, gb3 = _alloc_groups(BLOCK_N, DT)
             rpb = gl.allocate_shared_memory(DT, [BLOCK_N, 64], SH_SW)
-        else:  # the raw ring, then the 16-bit K tiles both MMAs read
+        else:  # the raw ring, then the 16-bit K tiles both MMAs read (fp16 e4m3 with FOLD)
             lat_a, sc_a, rp_a, lat_b, sc_b, rp_b = _alloc_ring(BLOCK_N, DT, RING, ROWS8)
-            k0, k1, k2, k3 = _alloc_groups(BLOCK_N, DT)
+            k0, k1, k2, k3 = _alloc_groups(BLOCK_N, gl.float16 if FOLD else DT)
         s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_H], SH_PLAIN)
 
         n_hb = gl.cdiv(num_heads, BLOCK_H)
@@ -801,6 +890,23 @@ if HAS_GLUON:
               gl.load(qb + 384 * stride_qd, mask=qmask, other=0.0), gl.load(qb + 448 * stride_qd, mask=qmask, other=0.0),
               gl.load(qb + 512 * stride_qd, mask=qmask, other=0.0))
 
+        rq = 1.0
+        if FOLD:  # q's latent to fp16 / rq (|q| / rq <= 2^15: no overflow); the rope stays in q's dtype
+            L_QM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, NUM_WARPS], [1, 0])  # [BLOCK_H, 512]
+            offs_mh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_QM))
+            offs_md = gl.arange(0, DV, layout=gl.SliceLayout(0, L_QM))
+            qm = gl.load(q_ptr + t.to(gl.int64) * stride_qt + offs_mh[:, None] * stride_qh + offs_md[None, :] * stride_qd,
+                         mask=(offs_mh < num_heads)[:, None], other=0.0)
+            qmax = gl.max(gl.max(gl.abs(qm.to(gl.float32)), axis=1), axis=0)
+            # a power of two (q / rq is exact: bf16 and fp16 values are fp16 values in range), 1 unless
+            # some |q| >= 2^15
+            rq = gl.where(qmax >= 32768.0, gl.exp2(gl.ceil(gl.log2(qmax)) - 15.0), 1.0)
+            iq = 1.0 / rq
+            qt = ((qt[0].to(gl.float32) * iq).to(gl.float16), (qt[1].to(gl.float32) * iq).to(gl.float16),
+                  (qt[2].to(gl.float32) * iq).to(gl.float16), (qt[3].to(gl.float32) * iq).to(gl.float16),
+                  (qt[4].to(gl.float32) * iq).to(gl.float16), (qt[5].to(gl.float32) * iq).to(gl.float16),
+                  (qt[6].to(gl.float32) * iq).to(gl.float16), (qt[7].to(gl.float32) * iq).to(gl.float16), qt[8])
+        r_i = gl.zeros([], gl.float32)  # FOLD's running scale maximum (carried, unused otherwise)
         if ROWS8 and KSCALE_FROM_PTR:  # fp8's per-tensor scale, read on the device (graph-safe)
             ks = gl.load(kscale_ptr)
             qk_scale_log2 = qk_scale_log2 * ks
@@ -850,19 +956,19 @@ if HAS_GLUON:
         else:
             for i in range(0, n_t, 2):
                 tile = tile_lo + i
-                nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i = _step_km(
                     kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 1 < n_t,
                     lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
-                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8)
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD)
                 if i + 1 < n_t:
-                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km(
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i = _step_km(
                         kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                         qk_scale_log2, i + 2 < n_t,
                         lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
-                        nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8)
+                        nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
+                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD)
         cp.wait_group(0)
 
         # ---- epilogue: O^T [dims, heads] -> out[t, h, dims] ------------------------------------
@@ -871,6 +977,8 @@ if HAS_GLUON:
         has = l_o > 0.0
         if ROWS8:  # the per-tensor scale of V
             inv = gl.where(has, v_scale / gl.where(has, l_o, 1.0), 0.0)
+        elif FOLD:  # the accumulators are in units of the running scale maximum R
+            inv = gl.where(has, r_i / gl.where(has, l_o, 1.0), 0.0)
         else:
             inv = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
         lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -990,9 +1098,9 @@ def v2_kernel_config(cc_major: int) -> dict:
 # at 8+; docs/notes/sparse_mla.md).
 V2_FUSED_MERGE = False
 
-# config keys that choose how a launch is organized, not a kernel's tiles (an override of only these
-# keeps the dispatch's kernel)
-_LAUNCH_ONLY_KEYS = {"MERGE"}
+# config keys that do not choose a kernel's tiles (an override of only these keeps the dispatch's
+# kernel): the merge of a split launch, and FOLD (a KEYS_M option: on another kernel it is refused)
+_KEEP_KERNEL_KEYS = {"MERGE", "FOLD"}
 
 
 def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: dict | None = None,
@@ -1001,7 +1109,7 @@ def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: di
     ``KEYS_M`` tunes the 16-head-block kernel: where the dispatch picked KEYS_M, it applies to that
     kernel's defaults instead (a BLOCK_N / NUM_WARPS meant for it would not fit KEYS_M's tiles);
     an override of only ``MERGE`` (``"fused"`` / ``"separate"``: the merge of a split launch)
-    keeps the dispatch's kernel.
+    and / or ``FOLD`` keeps the dispatch's kernel.
     16-bit rows (any ``kv_format`` but fp8_ds_mla) start from :func:`rows16_config` (or the first
     ROWS16 config where the dispatch would not run them: an override asked for v2)."""
     if kv_format != "fp8_ds_mla":
@@ -1015,7 +1123,7 @@ def resolve_config_v2(num_heads: int, cc_major: int, num_tokens: int, config: di
         return cfg
     cfg = dict(pick_config_v2(num_heads, cc_major, num_tokens))
     if config:
-        if cfg.get("KEYS_M") and not config.get("KEYS_M") and set(config) - _LAUNCH_ONLY_KEYS:
+        if cfg.get("KEYS_M") and not config.get("KEYS_M") and set(config) - _KEEP_KERNEL_KEYS:
             cfg = v2_kernel_config(cc_major)
         cfg.update(config)
     return cfg
@@ -1252,6 +1360,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
                          "16-bit rows run the KEYS_M kernel with ROWS16, fp8 rows with ROWS8 (config), "
                          "fp8_ds_mla rows with neither")
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
+    if cfg.get("FOLD") and (rows16 or rows8 or not cfg.get("KEYS_M")):
+        raise ValueError("config FOLD (fp8 consumed as fp16, scales folded) is a KEYS_M option for fp8_ds_mla rows")
     if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
         raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
     n_hb = triton.cdiv(H, bh)
@@ -1285,6 +1395,7 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
         consts["ROWS16"] = rows16
         consts["ROWS8"] = rows8
         consts["KSCALE_FROM_PTR"] = kscale_from_ptr
+        consts["FOLD"] = bool(cfg.get("FOLD", False))
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
@@ -1444,7 +1555,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
                       int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)),
-                      bool(c.get("ROWS8", False)))] = c
+                      bool(c.get("ROWS8", False)), bool(c.get("FOLD", False)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
@@ -1455,6 +1566,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             km = bool(c.get("KEYS_M"))
             r16 = bool(c.get("ROWS16"))
             r8 = bool(c.get("ROWS8"))
+            fold = bool(c.get("FOLD"))
             for qdt, qt in _PTR_TYPES.items():
                 for split, fused in ((False, False), (True, False), (True, True)):
                     sig = {
@@ -1480,10 +1592,12 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                           "SPLIT": split, "FUSED_MERGE": fused, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
                           "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring, "Q_REGS": qreg}
                     if km:  # the KEYS_M kernel's extra constexprs
-                        sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr"})
-                        cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8})
+                        sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr",
+                                    "FOLD": "constexpr"})
+                        cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8, "FOLD": fold})
                     specs.append({
-                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_km' if km else ''}[{str(qdt).split('.')[-1]},"
+                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_kmf' if fold else '_km' if km else ''}"
+                                 f"[{str(qdt).split('.')[-1]},"
                                  f"BH={bh},BN={bn},w={nw},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}"
                                  + (f",merge={'fused' if fused else 'separate'}]" if split else "]")),

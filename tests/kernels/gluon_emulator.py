@@ -256,6 +256,9 @@ def make_gl():
         ptr.store(val, mask)
 
     g.load, g.store = load, store
+    g.zeros = lambda shape, dtype, layout=None: T(torch.zeros(list(shape), dtype=dtype))
+    g.abs = lambda x: T(torch.abs(_a(x)))
+    g.ceil = lambda x: T(torch.ceil(_a(x)))
     g.exp = lambda x: T(torch.exp(_a(x)))
     g.log = lambda x: T(torch.log(_a(x)))
 

@@ -402,6 +402,40 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("ring,warps", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
+    """KEYS_M with FOLD (e4m3 latent consumed as fp16, the group scales folded into S^T and P^T, q
+    over rq in fp16, the running scale maximum) against float64: the index conventions, splits,
+    strided views, both q dtypes; rows whose group scales differ by up to 2^6 (the running maximum
+    grows across tiles, the accumulators are rescaled) and q entries near fp16's range in bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    cache = _cpu_cache(nb, bs, torch.float16, gen)
+    # spread the rows' scales over 2^-3 .. 2^3 (the latent bytes stay e4m3): the running maximum
+    # R must grow along the tiles and rescale what was accumulated
+    sc = cache.view(nb * bs, 656)[:, 512:528].contiguous().view(torch.float32)
+    sc *= torch.exp2(torch.randint(-3, 4, (nb * bs, 1), generator=gen).float())
+    cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
+    cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring, FOLD=True)
+    for H in (1, 8, 11):
+        q, idx = _edge_batch(gen, nb, bs, T, H, topk, dtype, dup=160)
+        for ns in (1, 3):
+            _check_emulated(q, cache, idx, "fp8_ds_mla", ns, cfg)
+    assert emulated_v2.km.launches == 6 and emulated_v2.launches == 0
+    if dtype == torch.bfloat16:  # a q entry beyond fp16's range: q / rq stays finite, so does the result
+        q = q.clone()
+        q[0, 0, 3] = 3.0e5
+        out, lse = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", config=cfg, fallback=False)
+        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+        fin = torch.isfinite(rl)
+        assert torch.isfinite(out).all() and torch.equal(torch.isfinite(lse), fin)
+        assert ((lse.double() - rl)[fin].abs() / rl[fin].abs().clamp_min(1.0)).max().item() < 1e-3
+    with pytest.raises(ValueError, match="FOLD"):
+        v2._plan_v2(q, cache, idx, SCALE, None, None, 1, dict(cfg, KEYS_M=False, BLOCK_H=16, BLOCK_N=32, NUM_WARPS=4))
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
 @pytest.mark.parametrize("cfg", list(range(len(v2.ROWS16_CONFIGS))))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_v2_rows16(emulated_v2, cfg, dtype, seed):
@@ -544,9 +578,11 @@ def check(q, cache, idx, num_splits=None, out=None, lse=None, config=None, kv_fo
     # the kernel's tensor-core operands are. Against exact float64, rounding K alone moves a head
     # with peaked logits by up to ~3e-2 (seen on the H100 with v1 and v2 alike: 3.05e-2 at H 16,
     # T 128, random data; 2.64e-2 here at H 5, T 64): the kernel's own error is what this bounds.
-    # (fp8 rows: the kernel converts e4m3 exactly and scales S and O in fp32, so its K is exact)
+    # (fp8 rows, and FOLD: the kernel converts e4m3 exactly and scales S and O in fp32, so its K
+    # is exact)
+    exact_k = kv_format == "fp8" or bool((config or {}).get("FOLD"))
     r16, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, kv_format, k_scale,
-                                            round_kv_to=None if kv_format == "fp8" else q.dtype)
+                                            round_kv_to=None if exact_k else q.dtype)
     head_err = torch.where(fin, (out.double() - r16).norm(dim=-1) / r16.norm(dim=-1).clamp_min(1e-30),
                            torch.zeros_like(rl))
     worst = head_err.max().item() if head_err.numel() else 0.0
@@ -633,10 +669,12 @@ def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for, k_scale=No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_CONFIGS))))
-def test_gpu_v2_keys_m(cfg, seed):
-    """The KEYS_M kernel over fp8_ds_mla rows (``_gpu_keys_m_cases``), and a 4-d cache view."""
-    c = dict(v2.KEYS_M_CONFIGS[cfg])
+def test_gpu_v2_keys_m(cfg, fold, seed):
+    """The KEYS_M kernel over fp8_ds_mla rows (``_gpu_keys_m_cases``), and a 4-d cache view; with
+    and without FOLD (e4m3 consumed as fp16, the group scales folded into S^T and P^T)."""
+    c = dict(v2.KEYS_M_CONFIGS[cfg], FOLD=fold)
     q, cache, idx = _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True),
                                       lambda nb, bs, dt: make_cache(nb, bs, dt, "cuda"), lambda dt: "fp8_ds_mla")
     check(q, cache.unsqueeze(2), idx, config=c)
