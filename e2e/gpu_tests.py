@@ -279,7 +279,7 @@ def _run_shard(mode: str, tests: str, shard: int, jobs: int, deadline: float, lo
     env.update(MODES[mode])
     env["GLM5_REQUIRE_PEERS"] = "1"
     env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "pytest", tests, "-v", "-rfEs", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *tests.split(), "-v", "-rfEs", "-p", "no:cacheprovider"]
     run = run_pytest(cmd, REPO, env, deadline, (log_dir / f"{mode}.{shard}.log") if log_dir else None, shard, jobs)
     text = run["text"]
     if run["junit"] is not None:
@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prepare", action="store_true", help="CPU machine: stage vLLM's compiled cache ops in .peers-carry/")
     ap.add_argument("--vllm", default=None, help="--prepare: the pin (default: pins.lock's default)")
     ap.add_argument("--modes", default="plain,mma-v2", help=f"comma-separated, of {sorted(MODES)}")
-    ap.add_argument("--tests", default="tests/kernels", help="pytest path (default tests/kernels)")
+    ap.add_argument("--tests", default="tests/kernels",
+                    help="pytest path(s), space-separated (default tests/kernels)")
     ap.add_argument("--deadline-s", type=float, default=570.0,
                     help="wall-clock budget of the whole call; a mode still running then is stopped and "
                          "counts as failed (default 570)")
