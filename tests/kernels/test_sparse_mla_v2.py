@@ -423,6 +423,18 @@ def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
         for ns in (1, 3):
             _check_emulated(q, cache, idx, "fp8_ds_mla", ns, cfg)
     assert emulated_v2.km.launches == 6 and emulated_v2.launches == 0
+    # FOLD against the dequantizing KEYS_M path on the same call: S is exact up to fp32 sums (K and
+    # q exact in fp16), so its LSE is ~1e-5 off float64, and no head is worse than twice the other's
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    fin = torch.isfinite(rl)
+    errs = {}
+    for fold in (True, False):
+        o, l_ = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", config=dict(cfg, FOLD=fold), fallback=False)
+        head = ((o.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-30))[fin]
+        errs[fold] = (head.max().item(), (l_.double() - rl)[fin].abs().max().item())
+    print(f"[fold] {dtype}: per-head max / lse max error, FOLD {errs[True]}, dequantizing {errs[False]}")
+    assert errs[True][1] < 1e-3
+    assert errs[True][0] < 2 * errs[False][0]
     if dtype == torch.bfloat16:  # a q entry beyond fp16's range: q / rq stays finite, so does the result
         q = q.clone()
         q[0, 0, 3] = 3.0e5
