@@ -304,12 +304,15 @@ if HAS_GLUON:
     def _step(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
               qk_scale_log2, has_next,
               lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
-              nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
+              nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3, r_i, rq,
               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr, RING: gl.constexpr, Q_REGS: gl.constexpr):
+              QK_ACCS: gl.constexpr, DQ_VEC: gl.constexpr, RING: gl.constexpr, Q_REGS: gl.constexpr,
+              FOLD: gl.constexpr = False):
         """One KV tile: wait for its ring stage (``*_c``), put the next tile's copies in flight into
         the other stage (``*_n``), dequantize once into k0..k3, S = Q K^T, online softmax,
-        O += P V. Returns the loop state."""
+        O += P V. Returns the loop state. ``FOLD``: k0..k3 hold fp16 e4m3 (unscaled) and q_smem
+        q / rq in fp16; the group scales are applied to S's columns and to P per group over the
+        running scale maximum ``r_i`` (as in the KEYS_M kernel's FOLD)."""
         GROUP: gl.constexpr = 128
         QC: gl.constexpr = 64
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS],
@@ -336,8 +339,12 @@ if HAS_GLUON:
             _refill(kv_ptr, lat_n, sc_n, rp_n, nl_lat, nl_sc, nl_rp, has_next, num_slots, block_size,
                     stride_kb, stride_ks, DT, L_LAT, L_SC, L_RP)
 
-        # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group)
-        _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
+        # dequantize the latent part once: e4m3 x group scale -> DT (one buffer per 128-group);
+        # FOLD: e4m3 -> fp16 unscaled
+        if FOLD:
+            _convert_groups(lat_c, k0, k1, k2, k3, L_DQ)
+        else:
+            _dequant_groups(lat_c, sc_c, k0, k1, k2, k3, L_DQ, DT)
         _cta_barrier()
 
         # S = Q K^T over 512 latent + 64 rope columns (K-chunks of 64). QK_ACCS = 4: one
@@ -371,11 +378,21 @@ if HAS_GLUON:
         for c in gl.static_range(2):
             s3 = mma_v2(_q_op(q_smem, q_ops, 3 * 2 + c, Q_REGS, OP_A),
                         k3.slice(c * QC, QC, dim=1).permute((1, 0)).load(OP_B), s3)
-        s3 = mma_v2(_q_op(qr_smem, q_ops, 8, Q_REGS, OP_A), rp_c.permute((1, 0)).load(OP_B), s3)
-        if QK_ACCS == 4:
-            s = (s0 + s1) + (s2 + s3)
+        if FOLD:  # per-group accumulators times their per-key scales (S's columns), the rope apart
+            sc0, sc1, sc2, sc3 = _tile_scales(kv_ptr, vs, num_slots, block_size, stride_kb, stride_ks)
+            sr = mma_v2(_q_op(qr_smem, q_ops, 8, Q_REGS, OP_A), rp_c.permute((1, 0)).load(OP_B),
+                        gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=MMA))
+            s = ((s0 * sc0[None, :] + s1 * sc1[None, :]) + (s2 * sc2[None, :] + s3 * sc3[None, :])) * rq + sr
+            # the same scales along P's columns (the PV A operand's layout), loaded now: in flight
+            # across the S exchange barrier
+            tl_slot = _slots(idx_row, stride_ik, tile, lim, BLOCK_N, gl.SliceLayout(0, OP_A))
+            pc0, pc1, pc2, pc3 = _tile_scales(kv_ptr, tl_slot, num_slots, block_size, stride_kb, stride_ks)
         else:
-            s = s3
+            s3 = mma_v2(_q_op(qr_smem, q_ops, 8, Q_REGS, OP_A), rp_c.permute((1, 0)).load(OP_B), s3)
+            if QK_ACCS == 4:
+                s = (s0 + s1) + (s2 + s3)
+            else:
+                s = s3
 
         # softmax: S goes through shared memory once and comes back in the A-operand layout of
         # the PV MMA (every warp holds whole rows, split over the 4 lanes of a quad), so the row
@@ -391,13 +408,24 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
         l_acc = l_acc * alpha[:, None] + p  # row sums reduced once, after the loop
-        pa = p.to(DT)
-        alpha_o = gl.convert_layout(alpha, ROW_M)[:, None]
-        acc0 = mma_v2(pa, k0.load(OP_B), acc0 * alpha_o)
-        acc1 = mma_v2(pa, k1.load(OP_B), acc1 * alpha_o)
-        acc2 = mma_v2(pa, k2.load(OP_B), acc2 * alpha_o)
-        acc3 = mma_v2(pa, k3.load(OP_B), acc3 * alpha_o)
-        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_acc, acc0, acc1, acc2, acc3
+        if FOLD:  # P x scale / R per group (every warp holds whole rows: the tile's max scale is local)
+            cmax = gl.max(gl.maximum(gl.maximum(pc0, pc1), gl.maximum(pc2, pc3)), axis=0)
+            r_new = gl.maximum(gl.maximum(r_i, cmax), 1.0e-30)
+            alpha_o = gl.convert_layout(alpha * (r_i / r_new), ROW_M)[:, None]
+            inv_r = 1.0 / r_new
+            acc0 = mma_v2((p * (pc0 * inv_r)[None, :]).to(gl.float16), k0.load(OP_B), acc0 * alpha_o)
+            acc1 = mma_v2((p * (pc1 * inv_r)[None, :]).to(gl.float16), k1.load(OP_B), acc1 * alpha_o)
+            acc2 = mma_v2((p * (pc2 * inv_r)[None, :]).to(gl.float16), k2.load(OP_B), acc2 * alpha_o)
+            acc3 = mma_v2((p * (pc3 * inv_r)[None, :]).to(gl.float16), k3.load(OP_B), acc3 * alpha_o)
+            r_i = r_new
+        else:
+            pa = p.to(DT)
+            alpha_o = gl.convert_layout(alpha, ROW_M)[:, None]
+            acc0 = mma_v2(pa, k0.load(OP_B), acc0 * alpha_o)
+            acc1 = mma_v2(pa, k1.load(OP_B), acc1 * alpha_o)
+            acc2 = mma_v2(pa, k2.load(OP_B), acc2 * alpha_o)
+            acc3 = mma_v2(pa, k3.load(OP_B), acc3 * alpha_o)
+        return nn_lat, nn_sc, nn_rp, vs_n, m_new, l_acc, acc0, acc1, acc2, acc3, r_i
 
     @gluon.jit(do_not_specialize=["num_heads", "topk", "num_slots", "block_size", "num_splits",
                                   "tiles_per_split"])
@@ -421,6 +449,7 @@ if HAS_GLUON:
         S_SWIZZLE: gl.constexpr = False,
         RING: gl.constexpr = 2,
         Q_REGS: gl.constexpr = 0,
+        FOLD: gl.constexpr = False,
     ):
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
@@ -445,8 +474,9 @@ if HAS_GLUON:
         # RING 1: one raw stage (21 KB less at BLOCK_N 32, for more CTAs per SM); the next tile's
         # copies then start after the QK of this one instead of before its dequantization
         lat_a, sc_a, rp_a, lat_b, sc_b, rp_b = _alloc_ring(BLOCK_N, DT, RING)
-        k0, k1, k2, k3 = _alloc_groups(BLOCK_N, DT)
-        q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, DV], SH_SW)
+        # FOLD: the K tiles hold fp16 e4m3 (unscaled) and q's latent is staged as fp16 q / rq
+        k0, k1, k2, k3 = _alloc_groups(BLOCK_N, gl.float16 if FOLD else DT)
+        q_smem = gl.allocate_shared_memory(gl.float16 if FOLD else DT, [BLOCK_H, DV], SH_SW)
         qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SH_SW)
         # S exchange tile: written from the MMA accumulator layout, whose lanes with one column
         # pair sit 8 rows apart (128 B with BLOCK_N 32: one bank, an 8-way conflict in a plain
@@ -468,7 +498,15 @@ if HAS_GLUON:
         hq_mask = (offs_hq < num_heads)[:, None]
         q_row = q_ptr + t.to(gl.int64) * stride_qt + offs_hq[:, None] * stride_qh
         offs_c = gl.arange(0, DV, layout=gl.SliceLayout(0, L_Q))
-        q_smem.store(gl.load(q_row + offs_c[None, :] * stride_qd, mask=hq_mask, other=0.0))
+        q_lat = gl.load(q_row + offs_c[None, :] * stride_qd, mask=hq_mask, other=0.0)
+        rq = 1.0
+        if FOLD:  # a power of two, 1 unless some |q| >= 2^15: q / rq is exact in fp16
+            qmax = gl.max(gl.max(gl.abs(q_lat.to(gl.float32)), axis=1), axis=0)
+            rq = gl.where(qmax >= 32768.0, gl.exp2(gl.ceil(gl.log2(qmax)) - 15.0), 1.0)
+            q_smem.store((q_lat.to(gl.float32) * (1.0 / rq)).to(gl.float16))
+        else:
+            q_smem.store(q_lat)
+        r_i = gl.zeros([], gl.float32)  # FOLD's running scale maximum (carried, unused otherwise)
         offs_r = gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q))
         qr_smem.store(gl.load(q_row + (DV + offs_r)[None, :] * stride_qd, mask=hq_mask, other=0.0))
 
@@ -509,26 +547,29 @@ if HAS_GLUON:
         # two tiles per iteration: stage A then stage B (static buffers, no dynamic indexing)
         for i in range(0, n_t, 2):
             tile = tile_lo + i
-            nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
+            nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3, r_i = _step(
                 kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                 qk_scale_log2, i + 1 < n_t,
                 lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
-                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS)
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3, r_i, rq,
+                BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS, FOLD)
             if i + 1 < n_t:
-                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3 = _step(
+                nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3, r_i = _step(
                     kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 2 < n_t,
                     lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, q_smem, qr_smem, q_ops, s_smem,
-                    nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS)
+                    nl_lat, nl_sc, nl_rp, vs, m_i, l_acc, acc0, acc1, acc2, acc3, r_i, rq,
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, QK_ACCS, DQ_VEC, RING, Q_REGS, FOLD)
         cp.wait_group(0)  # nothing may stay in flight into shared memory when the CTA exits
 
         # ---- epilogue -------------------------------------------------------------------------
         l_i = gl.convert_layout(gl.sum(l_acc, axis=1), ROW_M)
         m_i = gl.convert_layout(m_i, ROW_M)
         has = l_i > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        if FOLD:  # the accumulators are in units of the running scale maximum R
+            inv = gl.where(has, r_i / gl.where(has, l_i, 1.0), 0.0)
+        else:
+            inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_M)
         hmask = offs_h < num_heads
@@ -1360,8 +1401,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
                          "16-bit rows run the KEYS_M kernel with ROWS16, fp8 rows with ROWS8 (config), "
                          "fp8_ds_mla rows with neither")
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
-    if cfg.get("FOLD") and (rows16 or rows8 or not cfg.get("KEYS_M")):
-        raise ValueError("config FOLD (fp8 consumed as fp16, scales folded) is a KEYS_M option for fp8_ds_mla rows")
+    if cfg.get("FOLD") and (rows16 or rows8):
+        raise ValueError("config FOLD (e4m3 consumed as fp16, scales folded) is an option for fp8_ds_mla rows")
     if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
         raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
     n_hb = triton.cdiv(H, bh)
@@ -1389,6 +1430,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     consts = dict(SPLIT=split, FUSED_MERGE=p.fused, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
+    if not cfg.get("KEYS_M"):  # the 16-head kernel's last constexpr (KEYS_M's comes after its own)
+        consts["FOLD"] = bool(cfg.get("FOLD", False))
     p.keys_m = bool(cfg.get("KEYS_M", False))
     p.v_scale, p.kscale_from_ptr = v_scale, kscale_from_ptr
     if p.keys_m:  # the KEYS_M kernel's last parameters
@@ -1592,12 +1635,13 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                           "SPLIT": split, "FUSED_MERGE": fused, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_WARPS": nw,
                           "QK_ACCS": qa, "DQ_VEC": dq, "S_SWIZZLE": sw, "RING": ring, "Q_REGS": qreg}
                     if km:  # the KEYS_M kernel's extra constexprs
-                        sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr",
-                                    "FOLD": "constexpr"})
-                        cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8, "FOLD": fold})
+                        sig.update({"ROWS16": "constexpr", "ROWS8": "constexpr", "KSCALE_FROM_PTR": "constexpr"})
+                        cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8})
+                    sig["FOLD"] = "constexpr"
+                    cx["FOLD"] = fold
                     specs.append({
-                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_kmf' if fold else '_km' if km else ''}"
-                                 f"[{str(qdt).split('.')[-1]},"
+                        "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_km' if km else ''}"
+                                 f"{'_fold' if fold else ''}[{str(qdt).split('.')[-1]},"
                                  f"BH={bh},BN={bn},w={nw},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}"
                                  + (f",merge={'fused' if fused else 'separate'}]" if split else "]")),

@@ -402,10 +402,10 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
-@pytest.mark.parametrize("ring,warps", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("ring,warps", [(1, 2), (2, 4), (0, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
-    """KEYS_M with FOLD (e4m3 latent consumed as fp16, the group scales folded into S^T and P^T, q
+    """KEYS_M (ring, warps) and the 16-head kernel (0, 0) with FOLD (e4m3 latent consumed as fp16, the group scales folded into S^T and P^T, q
     over rq in fp16, the running scale maximum) against float64: the index conventions, splits,
     strided views, both q dtypes; rows whose group scales differ by up to 2^6 (the running maximum
     grows across tiles, the accumulators are rescaled) and q entries near fp16's range in bf16."""
@@ -417,13 +417,17 @@ def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
     sc = cache.view(nb * bs, 656)[:, 512:528].contiguous().view(torch.float32)
     sc *= torch.exp2(torch.randint(-3, 4, (nb * bs, 1), generator=gen).float())
     cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
-    cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring, FOLD=True)
+    if warps:
+        cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring, FOLD=True)
+    else:  # the 16-head kernel (SM120's): its dispatch config with FOLD
+        cfg = dict(v2.v2_kernel_config(12), FOLD=True)
+    launch = emulated_v2.km if warps else emulated_v2
     for H in (1, 8, 11):
         q, idx = _edge_batch(gen, nb, bs, T, H, topk, dtype, dup=160)
         for ns in (1, 3):
             _check_emulated(q, cache, idx, "fp8_ds_mla", ns, cfg)
-    assert emulated_v2.km.launches == 6 and emulated_v2.launches == 0
-    # FOLD against the dequantizing KEYS_M path on the same call: S is exact up to fp32 sums (K and
+    assert launch.launches == 6 and (emulated_v2.launches if warps else emulated_v2.km.launches) == 0
+    # FOLD against the dequantizing path on the same call: S is exact up to fp32 sums (K and
     # q exact in fp16), so its LSE is ~1e-5 off float64, and no head is worse than twice the other's
     ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
     fin = torch.isfinite(rl)
@@ -443,8 +447,9 @@ def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
         fin = torch.isfinite(rl)
         assert torch.isfinite(out).all() and torch.equal(torch.isfinite(lse), fin)
         assert ((lse.double() - rl)[fin].abs() / rl[fin].abs().clamp_min(1.0)).max().item() < 1e-3
-    with pytest.raises(ValueError, match="FOLD"):
-        v2._plan_v2(q, cache, idx, SCALE, None, None, 1, dict(cfg, KEYS_M=False, BLOCK_H=16, BLOCK_N=32, NUM_WARPS=4))
+    with pytest.raises(ValueError, match="FOLD"):  # an option of the fp8_ds_mla rows only
+        v2._plan_v2(q, torch.zeros((nb, bs, 576), dtype=q.dtype), idx, SCALE, None, None, 1,
+                    dict(v2.ROWS16_CONFIGS[0], FOLD=True), kv_format="bfloat16" if q.dtype == torch.bfloat16 else "float16")
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
@@ -690,6 +695,28 @@ def test_gpu_v2_keys_m(cfg, fold, seed):
     q, cache, idx = _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True),
                                       lambda nb, bs, dt: make_cache(nb, bs, dt, "cuda"), lambda dt: "fp8_ds_mla")
     check(q, cache.unsqueeze(2), idx, config=c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_v2_fold_16head(dtype, seed):
+    """The 16-head kernel (SM120's) with FOLD: H 16 / 8 / 3, T 1 / 5 / 64, split and not, edge rows,
+    a cache whose rows' scales spread over 2^-3..2^3 (the running scale maximum grows)."""
+    nb, bs = 256, 64
+    cache = make_cache(nb, bs, dtype, "cuda")
+    sc = cache.view(nb * bs, 656)[:, 512:528].contiguous().view(torch.float32)
+    sc *= torch.exp2(torch.randint(-3, 4, (nb * bs, 1), device="cuda").float())
+    cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
+    cfg = dict(v2.v2_kernel_config(torch.cuda.get_device_capability(0)[0]), FOLD=True)
+    for H, T in ((16, 1), (8, 5), (3, 64), (16, 64)):
+        q = torch.randn((T, H, 576), device="cuda").to(dtype)
+        idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
+        if T >= 5:
+            idx[1] = -1
+            idx[2, :700] = 17
+            idx[4, 1000:] = nb * bs
+        for ns in (None, 1, 3):
+            check(q, cache, idx, num_splits=ns, config=cfg)
 
 
 @pytest.mark.gpu
