@@ -388,8 +388,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows8", action="store_true",
                     help="also time the fp8 cache format at the largest context: v1 against v2's ROWS8 configs")
     ap.add_argument("--fold", action="store_true",
-                    help="also time the dispatch's config with FOLD (KEYS_M points) and with MERGE fused "
-                         "(split points), each as a change of the dispatch's own config")
+                    help="also time the dispatch's config with FOLD, with MERGE fused, and with both, each "
+                         "as a change of the dispatch's own config (checked against its output)")
     ap.add_argument("--skip-config-checks", action="store_true",
                     help="skip the float64 checks of every forced tuning / KEYS_M config (the conventions and "
                          "every timed point are still checked; for a short call)")
@@ -526,10 +526,8 @@ def main(argv=None) -> int:
                             v2.sparse_mla_decode_v2(s0[0], pool, s0[1], SCALE, "fp8_ds_mla", out=s0[2], lse=s0[3],
                                                     config=c2, fallback=False)
                             ref_o = s0[2].clone()
-                            extra = {"merge_fused": {"MERGE": "fused"}}
-                            if base.get("KEYS_M"):
-                                extra["fold"] = {"FOLD": True}
-                                extra["fold_merge_fused"] = {"FOLD": True, "MERGE": "fused"}
+                            extra = {"merge_fused": {"MERGE": "fused"}, "fold": {"FOLD": True},
+                                     "fold_merge_fused": {"FOLD": True, "MERGE": "fused"}}
                             for name, over in extra.items():
                                 cx = dict(base, **over)
                                 v2.sparse_mla_decode_v2(s0[0], pool, s0[1], SCALE, "fp8_ds_mla", out=s0[2],
