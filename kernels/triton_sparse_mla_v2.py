@@ -607,10 +607,10 @@ if HAS_GLUON:
     # shared-memory traffic per key than the kernel above (docs/notes/sparse_mla_v2.md).
 
     @gluon.jit
-    def _km_scores(a0, a1, a2, a3, arp, qt, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr,
-                   OP_A: gl.constexpr):
-        """S^T [BLOCK_N, BLOCK_H] = K q^T from the four 128-wide latent tiles and the rope tile (each
-        warp its 16 keys' rows), one accumulator per 128-group (the rope into the last)."""
+    def _km_group_scores(a0, a1, a2, a3, qt, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr,
+                         OP_A: gl.constexpr):
+        """The four 128-group accumulators of S^T [BLOCK_N, BLOCK_H] = K q^T over the latent tiles
+        (each warp its 16 keys' rows)."""
         s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
         s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
         s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
@@ -623,6 +623,14 @@ if HAS_GLUON:
         s2 = mma_v2(a2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
         s3 = mma_v2(a3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
         s3 = mma_v2(a3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
+        return s0, s1, s2, s3
+
+    @gluon.jit
+    def _km_scores(a0, a1, a2, a3, arp, qt, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr,
+                   OP_A: gl.constexpr):
+        """S^T [BLOCK_N, BLOCK_H] = K q^T from the four 128-wide latent tiles and the rope tile, one
+        accumulator per 128-group (the rope into the last)."""
+        s0, s1, s2, s3 = _km_group_scores(a0, a1, a2, a3, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
         s3 = mma_v2(arp.load(OP_A), qt[8], s3)
         return (s0 + s1) + (s2 + s3)
 
@@ -679,20 +687,8 @@ if HAS_GLUON:
                         BLOCK_H: gl.constexpr, MMA: gl.constexpr, OP_A: gl.constexpr):
         """S^T = K q^T with fp16 e4m3 K tiles and fp16 q / rq: each group's accumulator times its
         per-key scale (``c*``: [BLOCK_N] along the keys), times rq, plus the rope's (q's dtype)."""
-        s0 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s1 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s2 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s3 = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        sr = gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA)
-        s0 = mma_v2(a0.slice(0, 64, dim=1).load(OP_A), qt[0], s0)
-        s0 = mma_v2(a0.slice(64, 64, dim=1).load(OP_A), qt[1], s0)
-        s1 = mma_v2(a1.slice(0, 64, dim=1).load(OP_A), qt[2], s1)
-        s1 = mma_v2(a1.slice(64, 64, dim=1).load(OP_A), qt[3], s1)
-        s2 = mma_v2(a2.slice(0, 64, dim=1).load(OP_A), qt[4], s2)
-        s2 = mma_v2(a2.slice(64, 64, dim=1).load(OP_A), qt[5], s2)
-        s3 = mma_v2(a3.slice(0, 64, dim=1).load(OP_A), qt[6], s3)
-        s3 = mma_v2(a3.slice(64, 64, dim=1).load(OP_A), qt[7], s3)
-        sr = mma_v2(arp.load(OP_A), qt[8], sr)
+        s0, s1, s2, s3 = _km_group_scores(a0, a1, a2, a3, qt, BLOCK_N, BLOCK_H, MMA, OP_A)
+        sr = mma_v2(arp.load(OP_A), qt[8], gl.full([BLOCK_N, BLOCK_H], 0.0, gl.float32, layout=MMA))
         lat = (s0 * c0[:, None] + s1 * c1[:, None]) + (s2 * c2[:, None] + s3 * c3[:, None])
         return lat * rq + sr
 

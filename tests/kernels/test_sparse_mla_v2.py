@@ -662,6 +662,19 @@ def test_gpu_v2_tuning_configs(cfg, seed):
             check(q, cache, idx, config=dict(c, **extra))
 
 
+def _gpu_edge_batch(T, H, dtype, num_slots):
+    """q [T, H, 576] and int32 indices [T, 2048] over ``num_slots`` slots on the GPU, out-of-range
+    and negative slots mixed in; from T = 5 on also an empty row (1), 700 duplicates (row 2) and the
+    first out-of-range slot from column 1000 on (row 4)."""
+    q = torch.randn((T, H, 576), device="cuda").to(dtype)
+    idx = torch.randint(-50, num_slots + 50, (T, 2048), device="cuda", dtype=torch.int32)
+    if T >= 5:
+        idx[1] = -1
+        idx[2, :700] = 17
+        idx[4, 1000:] = num_slots
+    return q, idx
+
+
 def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for, k_scale=None):
     """The KEYS_M kernel's GPU cases under config ``c``: H 1 / 8 / 16 (two head blocks) / 3, bf16
     and fp16, split and not, edge rows (empty, duplicates, out of range), through ``check``.
@@ -674,12 +687,7 @@ def _gpu_keys_m_cases(c, shared_bytes, make_cache_for, kv_format_for, k_scale=No
     for dt in (torch.bfloat16, torch.float16):
         cache = make_cache_for(nb, bs, dt)
         for H, T in ((8, 1), (8, 37), (16, 4), (3, 5), (1, 2)):
-            q = torch.randn((T, H, 576), device="cuda").to(dt)
-            idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
-            if T >= 5:
-                idx[1] = -1
-                idx[2, :700] = 17
-                idx[4, 1000:] = nb * bs
+            q, idx = _gpu_edge_batch(T, H, dt, nb * bs)
             for ns in (None, 1, 7):
                 check(q, cache, idx, num_splits=ns, config=c, kv_format=kv_format_for(dt), k_scale=k_scale)
     return q, cache, idx
@@ -709,12 +717,7 @@ def test_gpu_v2_fold_16head(dtype, seed):
     cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
     cfg = dict(v2.v2_kernel_config(torch.cuda.get_device_capability(0)[0]), FOLD=True)
     for H, T in ((16, 1), (8, 5), (3, 64), (16, 64)):
-        q = torch.randn((T, H, 576), device="cuda").to(dtype)
-        idx = torch.randint(-50, nb * bs + 50, (T, 2048), device="cuda", dtype=torch.int32)
-        if T >= 5:
-            idx[1] = -1
-            idx[2, :700] = 17
-            idx[4, 1000:] = nb * bs
+        q, idx = _gpu_edge_batch(T, H, dtype, nb * bs)
         for ns in (None, 1, 3):
             check(q, cache, idx, num_splits=ns, config=cfg)
 
