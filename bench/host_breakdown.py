@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,8 +61,7 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
     out = torch.empty((T, H, 512), device=dev, dtype=torch.bfloat16)
     lse = torch.empty((T, H), device=dev, dtype=torch.float32)
     if merge is not None:  # GLM5_SPARSE_MLA_MERGE steers the dispatch without a config (a config
-        import os          # would take the planning path every call)
-        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge
+        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge  # would take the planning path every call)
     v2._PLANS_V2.clear()
     try:
         def call():
@@ -98,20 +98,15 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
             pp = scratch.data_ptr()
             plp = pp + n * 512 * 4
             cntp = v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
-            args = (q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr(), pp, plp, cntp,
-                    *p.tail)
-            if p.keys_m:
-                args = args + (p.v_scale, lse.data_ptr())
-            args = args + tuple(p.consts)
+            args = v2.kernel_args(p, q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                  pp, plp, cntp, lse.data_ptr())
             if p.num_splits == 1 or p.fused:  # a launch that needs no merge kernel after it
                 rec["kernel_run"] = common.host_us(
                     lambda: k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args),
                     calls=calls)
             m = p.merge_kernel
             if m is not None:
-                t = p.tail
-                margs = (pp, plp, out.data_ptr(), lse.data_ptr(), H, p.num_splits, t[12], t[13], t[14], t[15], t[16],
-                         *p.merge_consts)
+                margs = (pp, plp, out.data_ptr(), lse.data_ptr(), *p.merge_tail, *p.merge_consts)
                 rec["merge_run"] = common.host_us(
                     lambda: m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
                                   *margs), calls=calls)
@@ -119,7 +114,6 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         return rec
     finally:
         if merge is not None:
-            import os
             os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
 
 

@@ -409,15 +409,12 @@ if HAS_GLUON:
         p = gl.exp2(s - m_new[:, None])
         l_acc = l_acc * alpha[:, None] + p  # row sums reduced once, after the loop
         if FOLD:  # P x scale / R per group (every warp holds whole rows: the tile's max scale is local)
-            cmax = gl.max(gl.maximum(gl.maximum(pc0, pc1), gl.maximum(pc2, pc3)), axis=0)
-            r_new = gl.maximum(gl.maximum(r_i, cmax), 1.0e-30)
-            alpha_o = gl.convert_layout(alpha * (r_i / r_new), ROW_M)[:, None]
-            inv_r = 1.0 / r_new
+            r_i, alpha_r, inv_r = _running_scale(r_i, alpha, pc0, pc1, pc2, pc3)
+            alpha_o = gl.convert_layout(alpha_r, ROW_M)[:, None]
             acc0 = mma_v2((p * (pc0 * inv_r)[None, :]).to(gl.float16), k0.load(OP_B), acc0 * alpha_o)
             acc1 = mma_v2((p * (pc1 * inv_r)[None, :]).to(gl.float16), k1.load(OP_B), acc1 * alpha_o)
             acc2 = mma_v2((p * (pc2 * inv_r)[None, :]).to(gl.float16), k2.load(OP_B), acc2 * alpha_o)
             acc3 = mma_v2((p * (pc3 * inv_r)[None, :]).to(gl.float16), k3.load(OP_B), acc3 * alpha_o)
-            r_i = r_new
         else:
             pa = p.to(DT)
             alpha_o = gl.convert_layout(alpha, ROW_M)[:, None]
@@ -500,9 +497,8 @@ if HAS_GLUON:
         offs_c = gl.arange(0, DV, layout=gl.SliceLayout(0, L_Q))
         q_lat = gl.load(q_row + offs_c[None, :] * stride_qd, mask=hq_mask, other=0.0)
         rq = 1.0
-        if FOLD:  # a power of two, 1 unless some |q| >= 2^15: q / rq is exact in fp16
-            qmax = gl.max(gl.max(gl.abs(q_lat.to(gl.float32)), axis=1), axis=0)
-            rq = gl.where(qmax >= 32768.0, gl.exp2(gl.ceil(gl.log2(qmax)) - 15.0), 1.0)
+        if FOLD:
+            rq = _fp16_divisor(q_lat)
             q_smem.store((q_lat.to(gl.float32) * (1.0 / rq)).to(gl.float16))
         else:
             q_smem.store(q_lat)
@@ -653,7 +649,8 @@ if HAS_GLUON:
         acc3 = mma_v2(v3.permute((1, 0)).load(OP_A), pb, acc3 * alpha_o)
         return m_new, l_i, acc0, acc1, acc2, acc3
 
-    # FOLD (KEYS_M over fp8_ds_mla): the latent is consumed as e4m3 converted to fp16 unscaled (one
+    # FOLD (fp8_ds_mla, both kernels; written for KEYS_M's S^T, the 16-head kernel's S is its
+    # transpose): the latent is consumed as e4m3 converted to fp16 unscaled (one
     # cvt per two values, exact) instead of e4m3 -> f32 x scale -> q's dtype (six instructions per
     # two values, ~45% of the loop's instructions: sm_90 SASS); the per-(key, group) scales are
     # folded into S^T (its rows are the keys: one multiply per group accumulator) and into P^T per
@@ -662,6 +659,22 @@ if HAS_GLUON:
     # maximum R of the scales seen (<= 1 in fp16, no overflow whatever the cache holds), and the
     # accumulators are rescaled when R grows (folded into the softmax's alpha), O = acc x R / l.
     # The rope stays in q's dtype (its tile comes from the ring as stored).
+
+    @gluon.jit
+    def _fp16_divisor(q_lat):
+        """FOLD's rq for a tile of q's latent: a power of two, 1 unless some |q| >= 2^15, so that
+        q / rq is exact in fp16 (bf16 and fp16 values are fp16 values in that range)."""
+        qmax = gl.max(gl.max(gl.abs(q_lat.to(gl.float32)), axis=1), axis=0)
+        return gl.where(qmax >= 32768.0, gl.exp2(gl.ceil(gl.log2(qmax)) - 15.0), 1.0)
+
+    @gluon.jit
+    def _running_scale(r_i, alpha, c0, c1, c2, c3):
+        """FOLD's running scale maximum after a tile whose per-key group scales are ``c0..c3``
+        (each warp holds all keys of the tile: the maximum is warp-local): returns R (never 0),
+        the accumulators' rescale factor alpha x R_old / R, and 1 / R."""
+        cmax = gl.max(gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3)), axis=0)
+        r_new = gl.maximum(gl.maximum(r_i, cmax), 1.0e-30)
+        return r_new, alpha * (r_i / r_new), 1.0 / r_new
 
     @gluon.jit
     def _convert_groups(lat_c, k0, k1, k2, k3, L_DQ: gl.constexpr):
@@ -704,10 +717,8 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + gl.sum(p, axis=0)
-        cmax = gl.max(gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3)), axis=0)
-        r_new = gl.maximum(gl.maximum(r_i, cmax), 1.0e-30)
-        alpha_o = gl.convert_layout(alpha * (r_i / r_new), gl.SliceLayout(0, MMA))[None, :]
-        inv_r = 1.0 / r_new
+        r_new, alpha_r, inv_r = _running_scale(r_i, alpha, c0, c1, c2, c3)
+        alpha_o = gl.convert_layout(alpha_r, gl.SliceLayout(0, MMA))[None, :]
         acc0 = mma_v2(v0.permute((1, 0)).load(OP_A), (p * (c0 * inv_r)[:, None]).to(gl.float16), acc0 * alpha_o)
         acc1 = mma_v2(v1.permute((1, 0)).load(OP_A), (p * (c1 * inv_r)[:, None]).to(gl.float16), acc1 * alpha_o)
         acc2 = mma_v2(v2.permute((1, 0)).load(OP_A), (p * (c2 * inv_r)[:, None]).to(gl.float16), acc2 * alpha_o)
@@ -934,10 +945,7 @@ if HAS_GLUON:
             offs_md = gl.arange(0, DV, layout=gl.SliceLayout(0, L_QM))
             qm = gl.load(q_ptr + t.to(gl.int64) * stride_qt + offs_mh[:, None] * stride_qh + offs_md[None, :] * stride_qd,
                          mask=(offs_mh < num_heads)[:, None], other=0.0)
-            qmax = gl.max(gl.max(gl.abs(qm.to(gl.float32)), axis=1), axis=0)
-            # a power of two (q / rq is exact: bf16 and fp16 values are fp16 values in range), 1 unless
-            # some |q| >= 2^15
-            rq = gl.where(qmax >= 32768.0, gl.exp2(gl.ceil(gl.log2(qmax)) - 15.0), 1.0)
+            rq = _fp16_divisor(qm)
             iq = 1.0 / rq
             qt = ((qt[0].to(gl.float32) * iq).to(gl.float16), (qt[1].to(gl.float32) * iq).to(gl.float16),
                   (qt[2].to(gl.float32) * iq).to(gl.float16), (qt[3].to(gl.float32) * iq).to(gl.float16),
@@ -1136,7 +1144,7 @@ def v2_kernel_config(cc_major: int) -> dict:
 V2_FUSED_MERGE = False
 
 # config keys that do not choose a kernel's tiles (an override of only these keeps the dispatch's
-# kernel): the merge of a split launch, and FOLD (a KEYS_M option: on another kernel it is refused)
+# kernel): the merge of a split launch, and FOLD (both kernels take it; other row formats refuse it)
 _KEEP_KERNEL_KEYS = {"MERGE", "FOLD"}
 
 
@@ -1325,7 +1333,7 @@ class _PlanV2:
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
                  "v_scale", "kscale_from_ptr", "fused", "cnt_numel",
-                 "merge_meta", "merge_consts", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
+                 "merge_meta", "merge_consts", "merge_tail", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
 
 
 # plan key (v1's _plan_key) -> _PlanV2, or v1's plan for a key that goes to v1; bounded by
@@ -1426,26 +1434,35 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     consts = dict(SPLIT=split, FUSED_MERGE=p.fused, BLOCK_H=bh, BLOCK_N=bn, NUM_WARPS=nw, QK_ACCS=cfg.get("QK_ACCS", 1),
                   DQ_VEC=cfg.get("DQ_VEC", 16), S_SWIZZLE=bool(cfg.get("S_SWIZZLE", False)),
                   RING=cfg.get("RING", 2), Q_REGS=int(cfg.get("Q_REGS", 0)))
-    if not cfg.get("KEYS_M"):  # the 16-head kernel's last constexpr (KEYS_M's comes after its own)
-        consts["FOLD"] = bool(cfg.get("FOLD", False))
     p.keys_m = bool(cfg.get("KEYS_M", False))
     p.v_scale, p.kscale_from_ptr = v_scale, kscale_from_ptr
     if p.keys_m:  # the KEYS_M kernel's last parameters
         consts["ROWS16"] = rows16
         consts["ROWS8"] = rows8
         consts["KSCALE_FROM_PTR"] = kscale_from_ptr
-        consts["FOLD"] = bool(cfg.get("FOLD", False))
+    consts["FOLD"] = bool(cfg.get("FOLD", False))  # both kernels' last constexpr
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     p.merge_grid = (T * H * (LATENT_DIM // 128),)
     block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
     p.merge_consts = (block_s, 128)
+    p.merge_tail = (H, p.num_splits, ost[0], ost[1], ost[2], lst[0], lst[1])
     p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=128, num_warps=4)
     p.dev_index = -1  # CPU: the emulated kernel in the tests
     if q.is_cuda:
         p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     p.kernel = p.merge_kernel = None
     return p
+
+
+def kernel_args(p: _PlanV2, qp: int, kvp: int, idxp: int, op: int, lp: int, pp: int, plp: int, cntp: int,
+                ksp: int) -> tuple:
+    """The direct launch's argument list of a plan's kernel (pointers as integers; ``cntp`` /
+    ``ksp``: the counters and the fp8 scale, any valid pointer where unused), in the kernel's
+    parameter order: the KEYS_M kernel takes the fp8 scale's two parameters before its constexprs."""
+    if p.keys_m:
+        return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.tail, p.v_scale, ksp, *p.consts)
+    return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.tail, *p.consts)
 
 
 def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None):
@@ -1476,17 +1493,13 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
             pp, plp = op, lp  # unused by the kernel
         stream = _v1._raw_stream(p.dev_index)
         cntp = _v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
-        if p.keys_m:  # + the fp8 scale's two parameters (any valid pointer when unused)
-            k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp, *t, p.v_scale,
-                  k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.consts)
-        else:
-            k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-                  q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp, *t, *p.consts)
+        k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+              *kernel_args(p, q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp,
+                           k_scale.data_ptr() if p.kscale_from_ptr else lp))
         if split and not p.fused:
             m = p.merge_kernel
             m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
-                  pp, plp, op, lp, H, p.num_splits, t[12], t[13], t[14], t[15], t[16], *p.merge_consts)
+                  pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
         return out, lse
     # first launch of a plan (or a launch hook, e.g. a profiler): Triton's JIT path
     kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
@@ -1508,8 +1521,7 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
     m = None
     if split and not p.fused:
         # v1's LSE merge: v2 writes its partials in the same [T*H*splits, 512] / [T*H*splits] layout
-        m = _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, H, p.num_splits,
-                                                       t[12], t[13], t[14], t[15], t[16], **p.merge_meta)
+        m = _v1._sparse_mla_merge_kernel[p.merge_grid](po, plse, out, lse, *p.merge_tail, **p.merge_meta)
     if cache_kernels and p.kernel is None:
         k, m = _v1._compiled(k), _v1._compiled(m)
         if k is not None and (m is not None or not split or p.fused):

@@ -259,8 +259,6 @@ def make_gl():
     g.zeros = lambda shape, dtype, layout=None: T(torch.zeros(list(shape), dtype=dtype))
     g.abs = lambda x: T(torch.abs(_a(x)))
     g.ceil = lambda x: T(torch.ceil(_a(x)))
-    g.exp = lambda x: T(torch.exp(_a(x)))
-    g.log = lambda x: T(torch.log(_a(x)))
 
     def atomic(op):
         def rmw(ptr, val, mask=None, sem=None, scope=None):

@@ -313,6 +313,16 @@ def emulated_v2(monkeypatch):
     return launch
 
 
+def _spread_scales(cache, gen):
+    """Multiply each fp8_ds_mla row's four group scales (in place) by a random power of two in
+    2^-3 .. 2^3 (the latent bytes stay e4m3): FOLD's running scale maximum then grows along the
+    tiles and must rescale what it accumulated."""
+    rows = cache.view(-1, 656)
+    sc = rows[:, 512:528].contiguous().view(torch.float32)
+    sc *= torch.exp2(torch.randint(-3, 4, (rows.shape[0], 1), generator=gen, device=cache.device).float())
+    rows[:, 512:528] = sc.view(torch.uint8)
+
+
 def _edge_batch(gen, nb, bs, T, H, topk, dtype, dup):
     """q as a strided view [T, H, 576] and int32 indices [T, topk] as a column-strided view, with
     the index conventions: row 1 empty (-1), row 2 ``dup`` copies of slot 17, row 3 out-of-range
@@ -412,11 +422,7 @@ def test_emulated_v2_keys_m_fold(emulated_v2, ring, warps, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     nb, bs, T, topk = 8, 16, 5, 300
     cache = _cpu_cache(nb, bs, torch.float16, gen)
-    # spread the rows' scales over 2^-3 .. 2^3 (the latent bytes stay e4m3): the running maximum
-    # R must grow along the tiles and rescale what was accumulated
-    sc = cache.view(nb * bs, 656)[:, 512:528].contiguous().view(torch.float32)
-    sc *= torch.exp2(torch.randint(-3, 4, (nb * bs, 1), generator=gen).float())
-    cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
+    _spread_scales(cache, gen)
     if warps:
         cfg = dict(KEYS_M=True, BLOCK_H=8, BLOCK_N=16 * warps, NUM_WARPS=warps, RING=ring, FOLD=True)
     else:  # the 16-head kernel (SM120's): its dispatch config with FOLD
@@ -712,9 +718,7 @@ def test_gpu_v2_fold_16head(dtype, seed):
     a cache whose rows' scales spread over 2^-3..2^3 (the running scale maximum grows)."""
     nb, bs = 256, 64
     cache = make_cache(nb, bs, dtype, "cuda")
-    sc = cache.view(nb * bs, 656)[:, 512:528].contiguous().view(torch.float32)
-    sc *= torch.exp2(torch.randint(-3, 4, (nb * bs, 1), device="cuda").float())
-    cache.view(nb * bs, 656)[:, 512:528] = sc.view(torch.uint8)
+    _spread_scales(cache, torch.Generator(device="cuda").manual_seed(seed))
     cfg = dict(v2.v2_kernel_config(torch.cuda.get_device_capability(0)[0]), FOLD=True)
     for H, T in ((16, 1), (8, 5), (3, 64), (16, 64)):
         q, idx = _gpu_edge_batch(T, H, dtype, nb * bs)
