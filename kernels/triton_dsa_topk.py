@@ -671,9 +671,11 @@ MERGE_REGS = False
 # The pivot window's two sample order statistics: leading bits resolved (``SAMPLE_BITS``; hi is
 # rounded up and lo down past them, so fewer bits only widen the window) and whether one
 # histogram per pass serves both ranks while they share their digits (``SAMPLE_JOINT``).
-# Not yet timed on a GPU: the defaults are the select as it was (20 bits, two selects).
-SAMPLE_BITS = 20
-SAMPLE_JOINT = False
+# Timed on an H100 (2026-12-07, bench/results/topk_breakdown_h100.json): 16 bits with the joint
+# histogram took the top-k from 29.6 / 26.9 / 37.5 to 27.1 / 24.0 / 33.4 us at 32k T = 1 / 16 / 64
+# and from 54.8 to 45.7 us at 128k T = 16 (20 bits joint: 27.9 / 25.1 / 34.9 / 48.9), same output.
+SAMPLE_BITS = 16
+SAMPLE_JOINT = True
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -716,14 +718,20 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     # 4; bench/results/indexer_h200_merge_bits.json).
     merge_bits = 8 if (split > 1 and arch_major == 12) else bits
     # rows <= SHORT_MAX: one launch of _topk_short_kernel, BLOCK = the row width rounded up to a
-    # power of two (>= 1024), 8 keys per thread up to 4096 (16 warps), 16 at 8192.
+    # power of two (>= 1024), 16 keys per thread (4 warps at 1024 and 2048, 8 at 4096, 16 at 8192).
+    # At 4096 8 warps beat 16 (8 keys per thread) on an H100: 7.5 / 8.5 / 9.1 / 10.2 against 8.0 /
+    # 9.1 / 9.8 / 10.8 us at T = 1 / 16 / 64 / 128 (bench/results/topk_breakdown_h100.json).
     short_block = max(1024, triton.next_power_of_2(max(max_seq_len, 1)))
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
                 SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
-                MERGE_REGS=MERGE_REGS, SAMPLE_BITS=SAMPLE_BITS, SAMPLE_JOINT=SAMPLE_JOINT,
-                short_warps=min(16, max(4, short_block // 256)))
+                MERGE_REGS=MERGE_REGS, SAMPLE_BITS=SAMPLE_BITS,
+                # the joint select holds both ranks' histograms: with the 8192-key sample (rows >
+                # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
+                # there (92 registers, none)
+                SAMPLE_JOINT=SAMPLE_JOINT and s <= 4096,
+                short_warps=min(16, max(4, short_block // 512)))
 
 
 def merge_segcap(cap: int, split: int) -> int:

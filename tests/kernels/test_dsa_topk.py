@@ -205,13 +205,13 @@ def test_gpu_persistent_topk_k2048(kind, width):
             base = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
             T.persistent_topk(lg, lens, base, None, 2048, width, SPLIT=1)
         assert torch.equal(other, base), over
-    # the pivot window's sample select variants: SAMPLE_JOINT computes the same window (same
-    # output, same order), fewer SAMPLE_BITS a wider one (same set)
-    for over in ({"SAMPLE_JOINT": True}, {"SAMPLE_JOINT": True, "SAMPLE_BITS": 16},
-                 {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12}, {"merge_warps": 8}):
+    # the pivot window's sample select variants: SAMPLE_JOINT computes the same window as two
+    # selects (same output, same order), other SAMPLE_BITS another window (same set)
+    for over in ({"SAMPLE_JOINT": False}, {"SAMPLE_JOINT": False, "SAMPLE_BITS": 20},
+                 {"SAMPLE_BITS": 20}, {"SAMPLE_BITS": 12}, {"merge_warps": 8}):
         other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
         T.persistent_topk(lg, lens, other, None, 2048, width, **over)
-        if "SAMPLE_BITS" in over:
+        if over.get("SAMPLE_BITS", T.SAMPLE_BITS) != T.SAMPLE_BITS:
             assert torch.equal(T.canonical(other), got), over
         else:
             assert torch.equal(other, out), over
@@ -354,7 +354,8 @@ def test_joint_sample_select_gives_the_same_window(bits):
     for kind in ("randn", "ties", "spikes", "negative", "increasing"):
         lg = _rows(kind, 6, 600, g)
         wins, outs = {}, {}
-        for name, over in (("two", {}), ("joint", {"SAMPLE_JOINT": True}),
+        for name, over in (("two", {"SAMPLE_JOINT": False, "SAMPLE_BITS": 20}),
+                           ("joint", {"SAMPLE_JOINT": True, "SAMPLE_BITS": 20}),
                            ("joint12", {"SAMPLE_JOINT": True, "SAMPLE_BITS": 12})):
             lay = T._scratch_layout(6, K_SMALL, cfg["CAP"], cfg["SPLIT"])
             scratch = torch.zeros(lay["total"], dtype=torch.int32, device=DEVICE)
@@ -594,8 +595,8 @@ def test_short_dispatch_threshold(width, seed):
 
 
 def test_short_config_blocks_and_warps():
-    """BLOCK = max(1024, next power of two of max_seq_len); 8 keys per thread up to 4096, 16 at 8192."""
-    for L, blk, nw in [(1, 1024, 4), (1024, 1024, 4), (1025, 2048, 8), (4096, 4096, 16), (4097, 8192, 16),
+    """BLOCK = max(1024, next power of two of max_seq_len); 16 keys per thread from 2048 (8 at 1024)."""
+    for L, blk, nw in [(1, 1024, 4), (1024, 1024, 4), (1025, 2048, 4), (4096, 4096, 8), (4097, 8192, 16),
                        (8192, 8192, 16)]:
         c = T.topk_config(2048, L)
         assert (c["SHORT"], c["SHORT_BLOCK"], c["short_warps"]) == (True, blk, nw), L
@@ -625,7 +626,8 @@ def test_gpu_short_path_k2048(kind, width, bisect_bits):
     else:  # longer rows: the radix path's order differs (order inside a row is unspecified)
         assert torch.equal(T.canonical(out), T.canonical(old))
     if bisect_bits == 2:  # the warp counts timed against the dispatch's (same output, same order)
-        for over in ({"short_warps": 4}, {"short_warps": 8}, {"SHORT": False, "merge_warps": 8}):
+        for over in ({"short_warps": 4}, {"short_warps": 8}, {"short_warps": 16},
+                     {"SHORT": False, "merge_warps": 8}):
             other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
             T.persistent_topk(lg, lens, other, None, 2048, width, **over)
             assert torch.equal(other, old if "merge_warps" in over else out), over
