@@ -1135,13 +1135,15 @@ def v2_kernel_config(cc_major: int) -> dict:
             "CTAS_PER_SM": 2 if cc_major == 9 else 1, "SPLIT_OVERHEAD": 2}
 
 
-# The fused merge (``_merge_if_last``) is written, CPU-emulated and compile-checked, not yet timed
-# on a GPU: until it is, the dispatch keeps the separate merge kernel (config MERGE="fused" or
-# GLM5_SPARSE_MLA_MERGE=fused run it; bench/sparse_mla_decode.py times both at every split point:
-# v2_us_fused / v2_us_separate). True makes the dispatch take v1's measured rule (fused at <=
-# FUSED_MERGE_MAX_SPLITS splits: on the H200 v1's fused merge saved 5-59 us at 2-5 splits and lost
-# at 8+; docs/notes/sparse_mla.md).
-V2_FUSED_MERGE = False
+# The merge of a split launch: True takes v1's rule (fused into the split kernel, ``_merge_if_last``,
+# at <= FUSED_MERGE_MAX_SPLITS = 5 splits, v1's separate merge kernel above), False the separate
+# kernel everywhere. Timed on an H100 (2026-12-07, bench/sparse_mla_v2_gpu.py --fold, fp8_ds_mla,
+# 32k context, dispatch configs; fused / separate us): fused wins at 2-4 splits (H=8 T=128 4
+# splits 94.3 / 100.8, H=16 T=128 2 splits 120.7 / 136.9, H=16 T=64 4 splits 74.7 / 75.3) and
+# loses at 8+ (H=8 T=64 8 splits 63.0 / 59.3, H=16 T=32 8 splits 56.3 / 42.1, T=4 64 splits 122 /
+# 12.5 and 168 / 13.5: the last arriver's serial merge of 64 partials); it also saves one launch
+# (~4 us of host time, bench/host_breakdown.py). Config MERGE / GLM5_SPARSE_MLA_MERGE force one.
+V2_FUSED_MERGE = True
 
 # config keys that do not choose a kernel's tiles (an override of only these keeps the dispatch's
 # kernel): the merge of a split launch, and FOLD (both kernels take it; other row formats refuse it)

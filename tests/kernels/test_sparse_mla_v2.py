@@ -1035,7 +1035,7 @@ def test_emulated_v2_fused_merge(emulated_v2, monkeypatch, keys_m, seed):
         torch.testing.assert_close(results["fused", name][0].float(), results["separate", name][0].float(),
                                    atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(results["fused", name][1], results["separate", name][1], atol=1e-4, rtol=1e-5)
-    # the plans: with V2_FUSED_MERGE (off until timed: separate everywhere) fused at <=
+    # the plans: with V2_FUSED_MERGE (the dispatch's; off: separate everywhere) fused at <=
     # FUSED_MERGE_MAX_SPLITS splits, separate above and without a split
     assert v2._v1.FUSED_MERGE_MAX_SPLITS == 5  # (300 keys: 10 tiles of 32, so 10 splits exist)
     for on in (False, True):
