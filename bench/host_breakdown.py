@@ -130,18 +130,25 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     records = []
+    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "unit": "us (median wall time of one call)", "records": records,
+              "complete": False}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write():  # after every record: a run stopped by its time limit keeps what it measured
+        result["wall_s"] = time.time() - t0
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
     for T, H in parse_shapes(args.shapes):
         for merge in (None, "fused", "separate"):
             rec = measure(T, H, merge, args.calls)
             if merge is not None and rec["num_splits"] == 1:
                 continue  # no split: no merge to compare
             records.append(rec)
+            write()
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
-    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "unit": "us (median wall time of one call)", "records": records,
-              "wall_s": time.time() - t0}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    result["complete"] = True
+    write()
     print(f"wrote {args.out}")
     return 0
 
