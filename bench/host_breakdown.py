@@ -6,10 +6,13 @@ wrapper's Python and launch cost is paid per layer there. For each shape (T quer
 fp8_ds_mla, top-k 2048) this times, as medians of ``common.host_us`` (wall time of one call, the
 queue drained every 16 calls outside the timed region):
 
-* ``call``            the whole call as the backend makes it (outputs allocated by the wrapper)
+* ``call``            the whole call as the backend makes it (output allocated by the wrapper, the
+                      LSE not returned: ``return_lse=False``, written to the stream's sink)
+* ``call_lse``        the whole call returning a newly allocated LSE too
 * ``call_given_out``  the whole call with caller-provided out / lse
 * ``plan_key``        the plan-cache lookup (v1's ``_plan_key`` + the dict get)
-* ``empty_out`` / ``empty_lse`` / ``empty_scratch``  one ``torch.empty`` of each
+* ``empty_out`` / ``empty_lse`` / ``empty_scratch``  one ``torch.empty`` of each (the scratch is
+                      no longer allocated per call: ``workspace`` is the stream workspace's lookup)
 * ``kernel_run`` / ``merge_run``  one ``CompiledKernel.run`` of the attention / merge kernel
 * ``data_ptr_x5``     five ``data_ptr()`` reads
 
@@ -65,6 +68,9 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
     v2._PLANS_V2.clear()
     try:
         def call():
+            return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False)
+
+        def call_lse():
             return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla")
 
         def call_out():
@@ -78,6 +84,7 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         rec = {"T": T, "H": H, "merge_env": merge, "num_splits": p.num_splits, "fused": bool(p.fused),
                "keys_m": bool(p.keys_m), "direct": p.kernel is not None}
         rec["call"] = common.host_us(call, calls=calls)
+        rec["call_lse"] = common.host_us(call_lse, calls=calls)
         rec["call_given_out"] = common.host_us(call_out, calls=calls)
         rec["plan_key"] = common.host_us(
             lambda: v2._PLANS_V2.get(v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, None)),
@@ -98,6 +105,8 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
             pp = scratch.data_ptr()
             plp = pp + n * 512 * 4
             cntp = v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
+            rec["workspace"] = common.host_us(lambda: v1._workspace(q.device, p.dev_index, stream, p.ws_numel),
+                                              calls=calls)
             args = v2.kernel_args(p, q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr(),
                                   pp, plp, cntp, lse.data_ptr())
             if p.num_splits == 1 or p.fused:  # a launch that needs no merge kernel after it

@@ -439,8 +439,10 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
     if rec.get("v2_us") and config is None and num_splits is None:
         from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
+        # as the backend calls it: the LSE is not returned (vLLM uses it only under decode context
+        # parallelism), so the call allocates only the output
         rec["host_us"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt,
-                                                                     k_scale), calls=args.host_calls)
+                                                                     k_scale, return_lse=False), calls=args.host_calls)
     words = cache.view(torch.int32).reshape(-1, ROW_BYTES[fmt] // 4)  # contiguous pool: row = slot
     nsm = torch.cuda.get_device_properties(device).multi_processor_count
     best = None

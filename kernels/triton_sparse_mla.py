@@ -519,6 +519,25 @@ def _counters(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
     return buf
 
 
+# Per-(device, stream) float32 workspaces of direct launches (v2's split partials and LSE sink):
+# calls on one stream are ordered, so one buffer serves them all, without an allocation per call.
+# Like the counters, a buffer is never freed (a captured CUDA graph keeps the pointer it saw), and
+# graphs replayed concurrently on two streams must not share a capture stream.
+_WORKSPACES: dict = {}
+_RETIRED_WORKSPACES: list = []
+
+
+def _workspace(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
+    key = (dev_index, stream)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED_WORKSPACES.append(buf)
+        buf = torch.empty(max(4096, triton.next_power_of_2(n)), dtype=torch.float32, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
 def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, num_sms: int,
                      waves: float = 1.0) -> int:
     """Split the top-k range across programs when T * head-blocks would underfill the GPU

@@ -1334,7 +1334,7 @@ class _PlanV2:
     """A validated, planned v2 call: what a later call with the same key launches directly."""
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
-                 "v_scale", "kscale_from_ptr", "fused", "cnt_numel",
+                 "v_scale", "kscale_from_ptr", "fused", "cnt_numel", "ws_numel", "ws_sink",
                  "merge_meta", "merge_consts", "merge_tail", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
 
 
@@ -1426,6 +1426,11 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
             raise ValueError(f"config MERGE must be one of {_v1.MERGE_MODES}, got {merge!r}")
         p.fused = merge == "fused"
     p.cnt_numel = T * n_hb if p.fused else 0
+    # the direct launch's per-stream workspace (float32 words): [partial o | partial lse] of a split
+    # launch, then an LSE sink for calls that do not return the LSE, at a 256-byte offset (the
+    # compiled kernels assume 16-byte aligned pointers, as the allocations of the first launch were)
+    p.ws_sink = triton.cdiv(T * H * p.num_splits * (LATENT_DIM + 1), 64) * 64 if split else 0
+    p.ws_numel = p.ws_sink + T * H
     ost = out.stride() if out is not None else (H * LATENT_DIM, LATENT_DIM, 1)  # allocated: contiguous
     lst = lse.stride() if lse is not None else (H, 1)
     p.grid = (T * n_hb * p.num_splits,)
@@ -1467,16 +1472,18 @@ def kernel_args(p: _PlanV2, qp: int, kvp: int, idxp: int, op: int, lp: int, pp: 
     return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.tail, *p.consts)
 
 
-def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None):
+def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None,
+               return_lse: bool = True):
     T, H = p.T, p.H
     if out is None:
         out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
-    if lse is None:
+    if lse is None and return_lse:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if p.empty:
         if T:  # every row empty (no kernel: an empty indices tensor may have no storage)
             out.zero_()
-            lse.fill_(float("-inf"))
+            if lse is not None:
+                lse.fill_(float("-inf"))
         return out, lse
     split = p.num_splits > 1
     t = p.tail
@@ -1484,16 +1491,17 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
     if k is not None and _v1._no_launch_hooks():
         # Direct launch of the kernels compiled for this plan (as v1 does: pointers as integers,
         # no argument binding or specialization; the plan's key fixed every tensor's layout). The
-        # split path's partial results live in one allocation: [po | plse].
-        op, lp = out.data_ptr(), lse.data_ptr()
+        # split path's partial results and the LSE sink (LSE not returned) live in the stream's
+        # workspace: [po | plse | sink], no allocation per call.
+        stream = _v1._raw_stream(p.dev_index)
+        op = out.data_ptr()
+        ws = _v1._workspace(q.device, p.dev_index, stream, p.ws_numel).data_ptr()
+        lp = lse.data_ptr() if lse is not None else ws + p.ws_sink * 4
         if split:
-            n = T * H * p.num_splits
-            scratch = torch.empty(n * (LATENT_DIM + 1), dtype=torch.float32, device=q.device)
-            pp = scratch.data_ptr()
-            plp = pp + n * LATENT_DIM * 4
+            pp = ws
+            plp = pp + T * H * p.num_splits * LATENT_DIM * 4
         else:
             pp, plp = op, lp  # unused by the kernel
-        stream = _v1._raw_stream(p.dev_index)
         cntp = _v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
         k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
               *kernel_args(p, q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp,
@@ -1504,6 +1512,9 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
                   pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
         return out, lse
     # first launch of a plan (or a launch hook, e.g. a profiler): Triton's JIT path
+    lse_ret = lse
+    if lse is None:  # not returned: a throw-away buffer (the direct path writes a sink instead)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     kv = kv_cache.squeeze(2) if p.kv_squeeze else kv_cache
     kv = kv.view(torch.uint8)
     if split:
@@ -1529,7 +1540,7 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         if k is not None and (m is not None or not split or p.fused):
             p.merge_kernel = m
             p.kernel = k
-    return out, lse
+    return out, lse_ret
 
 
 def sparse_mla_decode_v2(
@@ -1546,12 +1557,16 @@ def sparse_mla_decode_v2(
     validate: bool = False,
     config: dict | None = None,
     fallback: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA decode, v2 kernel where it applies (see the module docstring), else v1.
 
     Arguments and results exactly as :func:`triton_sparse_mla.sparse_mla_decode`; ``config``
     overrides keys of :func:`pick_config_v2` on the v2 path (v1's keys on the fallback path).
     ``fallback=False`` raises ``NotImplementedError`` (with the reason) instead of calling v1.
+    ``return_lse=False`` with no ``lse`` given returns ``(out, None)``: the v2 path then writes the
+    LSE into a per-stream sink instead of allocating it (host time; the backend asks for the LSE
+    only under decode context parallelism).
 
     Host cost: the support check, validation and launch plan are worked out once per key (v1's
     ``_plan_key``: shapes, strides, dtypes, devices, scalars, 16-byte alignment); later calls with
@@ -1563,27 +1578,29 @@ def sparse_mla_decode_v2(
         if key is not None:
             p = _PLANS_V2.get(key)
             if type(p) is _PlanV2:
-                return _launch_v2(p, q, kv_cache, indices, out, lse, k_scale=k_scale)
+                return _launch_v2(p, q, kv_cache, indices, out, lse, k_scale=k_scale, return_lse=return_lse)
             if p is not None:  # a key v2 does not take: v1's plan, launched as v1 launches it
-                return _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
+                o, l = _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
+                return o, (l if return_lse or lse is not None else None)
     reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache, config=config)
     if reason is not None:
         if not fallback:
             raise NotImplementedError(f"sparse_mla_decode_v2: {reason}")
-        res = _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
-                                    num_splits, validate=validate, config=config)
+        o, l = _v1.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse,
+                                     num_splits, validate=validate, config=config)
         # v1 planned this key (the same _plan_key): later calls skip the support check and the
         # second key v1 would compute
         v1_plan = _v1._PLANS.get(key) if key is not None else None
         if v1_plan is not None:
             _v1.remember_plan(_PLANS_V2, key, v1_plan)
-        return res
+        return o, (l if return_lse or lse is not None else None)
     p = _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config, kv_format, k_scale)
     if validate and not p.empty and bool((indices >= p.tail[3]).any().item()):
         raise ValueError(f"indices contain slots >= num_blocks * block_size = {p.tail[3]}")
     if key is not None:
         _v1.remember_plan(_PLANS_V2, key, p)
-    return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda, k_scale=k_scale)
+    return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda, k_scale=k_scale,
+                      return_lse=return_lse)
 
 
 # --------------------------------------------------------------------------------------------

@@ -960,6 +960,54 @@ def test_gpu_v2_merges(H, fmt, T, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16"])
+def test_gpu_v2_workspace_and_lse_sink(fmt, seed):
+    """Direct launches take the split partials and (``return_lse=False``) the LSE sink from the
+    stream's workspace instead of allocating them: the same output bits as the first (JIT) launch
+    and as ``return_lse=True``, through shapes that grow the workspace (split and not, fused and
+    separate merges, bf16's v1 fallback below 4 rows), and in a CUDA graph."""
+    nb, bs, H = 256, 64, 8
+    cache = (make_cache(nb, bs, torch.bfloat16, "cuda") if fmt == "fp8_ds_mla"
+             else torch.randn((nb, bs, 576), device="cuda").to(torch.bfloat16))
+    for T, ns in ((1, None), (64, None), (4, None), (128, None), (128, 1), (16, 3)):
+        q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+        idx = torch.randint(-10, nb * bs + 10, (T, 2048), device="cuda", dtype=torch.int32)
+        if v2.v2_unsupported_reason(q, fmt, kv_cache=cache) is None:
+            check(q, cache, idx, num_splits=ns, kv_format=fmt)
+        v2._PLANS_V2.clear()
+        ref_o, ref_l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, num_splits=ns)  # JIT launch
+        for want in (True, False, False, True):
+            o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, num_splits=ns, return_lse=want)
+            assert torch.equal(o, ref_o), (T, ns, want)
+            assert torch.equal(l, ref_l) if want else l is None, (T, ns, want)
+        p = v2._PLANS_V2[v1._plan_key(q, cache, idx, SCALE, fmt, None, None, None, ns)]
+        assert type(p) is not v2._PlanV2 or p.kernel is not None  # v2 plans launched directly
+    torch.cuda.synchronize()
+    # a graph captured without the LSE: new data in the same buffers, replayed after eager calls
+    # of other shapes on the default stream
+    T = 64
+    q = torch.randn((T, H, 576), device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-10, nb * bs + 10, (T, 2048), device="cuda", dtype=torch.int32)
+    out = torch.empty((T, H, 512), device="cuda", dtype=torch.bfloat16)
+    v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, out=out, return_lse=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, out=out, return_lse=False)
+    for T2 in (1, 128):
+        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
+        idx.copy_(torch.randint(-10, nb * bs + 10, idx.shape, device="cuda", dtype=torch.int32))
+        q2 = torch.randn((T2, H, 576), device="cuda").to(torch.bfloat16)
+        idx2 = torch.randint(0, nb * bs, (T2, 2048), device="cuda", dtype=torch.int32)
+        v2.sparse_mla_decode_v2(q2, cache, idx2, SCALE, fmt, return_lse=False)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        o, _ = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt)
+        assert torch.equal(out, o)
+
+
+@pytest.mark.gpu
 def test_gpu_v2_fallbacks_are_v1(seed):
     """On the GPU: H > 16 and the other formats go to v1 (bit-identical results)."""
     nb, bs = 64, 64
@@ -1066,6 +1114,8 @@ def test_emulated_v2_plan_cache(emulated_v2, monkeypatch, seed):
     o1, l1 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
     o2, l2 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False)
     assert len(made) == 1 and torch.equal(o1, o2) and torch.equal(l1, l2)
+    o3, l3 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", fallback=False, return_lse=False)
+    assert len(made) == 1 and l3 is None and torch.equal(o3, o1)  # the same plan, the LSE not returned
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"))
     v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)
@@ -1099,3 +1149,8 @@ def test_v1_fallback_plans_once_per_key(monkeypatch, seed):
     assert len(reasons) == 1 and len(keys) == 3
     ro, rl = v1.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla")
     assert torch.equal(o1, ro) and torch.equal(o2, ro) and torch.equal(l1, rl) and torch.equal(l2, rl)
+    o3, l3 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False)  # v1's plan
+    assert l3 is None and torch.equal(o3, ro) and len(reasons) == 1
+    lse = torch.full((T, H), float("nan"))  # a given lse is written and returned either way
+    o4, l4 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", lse=lse, return_lse=False)
+    assert l4 is lse and torch.equal(lse, rl) and torch.equal(o4, ro)

@@ -333,12 +333,14 @@ class TritonMLASparseImpl(
             # (W_UK-absorbed latent query [T, H, 512], rope query [T, H, 64]);
             # T * H * 1152 bytes, small next to the KV the kernel streams.
             q = torch.cat(q, dim=-1)
-        out, lse = sparse_mla_decode_v2(
+        # the LSE only where vLLM uses it (decode context parallelism): otherwise the kernel
+        # writes it to a per-stream sink and no tensor is allocated for it
+        return sparse_mla_decode_v2(
             q,
             kv_cache,
             indices,
             self.scale,
             self.kv_format,
             k_scale=layer._k_scale if self._per_tensor_k_scale else None,
+            return_lse=bool(self.need_to_return_lse_for_decode),
         )
-        return out, (lse if self.need_to_return_lse_for_decode else None)
