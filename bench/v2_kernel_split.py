@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Where the device time of one split ``sparse_mla_decode_v2`` call goes: the attention kernel
+and the merge of its partial results, per kernel, at the dispatch's shapes (fp8_ds_mla, 32k
+context, top-k 2048). Profile before rewriting the merge.
+
+For each (H, T) and merge (the dispatch's, and the separate merge forced by
+``GLM5_SPARSE_MLA_MERGE=separate`` where the dispatch fuses), over input sets that move > 3x the
+L2 per pass:
+
+* ``call_us``: CUDA-graph replay of the whole call (median per call);
+* ``kernels``: per-kernel device time from ``torch.profiler`` (CUPTI) over eager calls, us per
+  call, by kernel name;
+* ``merge_floor_us``: the separate merge's bytes (partials read, output written) over the copy
+  bandwidth measured in the same run;
+* ``merge_variants``: the separate merge kernel alone on one call's partials (L2-resident, as
+  after the attention kernel) with other ``BLOCK_D`` / warps than the plan's.
+
+Writes ``--out`` (JSON: command, device, records). GPU only.
+
+  python3 bench/v2_kernel_split.py --out bench/results/v2_kernel_split_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SCALE = 256 ** -0.5
+TOPK = 2048
+CTX = 32768
+POOL_TOKENS = 1 << 18  # 256k tokens, 168 MB: > 3x the L2
+SHAPES = ((8, 4), (8, 32), (8, 64), (8, 128), (16, 32), (16, 64), (16, 128))
+MERGE_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8), (128, 1), (64, 2))  # (BLOCK_D, warps)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"8:32,16:64"`` -> [(H, T), ...]"""
+    out = []
+    for part in text.split(","):
+        h, t = part.split(":")
+        out.append((int(h), int(t)))
+    return out
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """Device us per call of each kernel ``fn`` launches (torch.profiler / CUPTI)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        dt = getattr(ev, "device_time_total", None)
+        if dt is None:
+            dt = getattr(ev, "cuda_time_total", 0.0)
+        if dt:
+            times[ev.key[:80]] = times.get(ev.key[:80], 0.0) + dt / calls
+    return times
+
+
+def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int) -> dict:
+    import torch
+
+    import sparse_mla_v2_gpu as sb
+    from kernels import triton_sparse_mla as v1
+    from kernels import triton_sparse_mla_v2 as v2
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(H * 1000 + T)
+    nb = pool.shape[0]
+    n_sets = max(2, min(32, math.ceil(3 * 50e6 / (T * TOPK * 656))))
+    sets = [(torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16),
+             sb.make_indices(T, CTX, nb, gen, dev)) for _ in range(n_sets)]
+    if merge is not None:
+        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge
+    v2._PLANS_V2.clear()
+    try:
+        def call(s):
+            return v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "fp8_ds_mla", return_lse=False)
+
+        for s in sets[:2]:
+            call(s)
+            call(s)
+        torch.cuda.synchronize()
+        key = v1._plan_key(sets[0][0], pool, sets[0][1], SCALE, "fp8_ds_mla", None, None, None, None)
+        p = v2._PLANS_V2[key]
+        rec = {"H": H, "T": T, "merge_env": merge, "num_splits": p.num_splits, "fused": bool(p.fused),
+               "keys_m": bool(p.keys_m), "n_sets": n_sets}
+        rec["call_us"] = common.time_graph([(lambda s=s: call(s)) for s in sets], rep_ms=30, warmup_ms=10)
+        it = iter(range(10 ** 9))
+        rec["kernels"] = kernel_times(lambda: call(sets[next(it) % n_sets]), calls)
+        if p.num_splits > 1 and not p.fused:
+            n = T * H * p.num_splits
+            rec["merge_bytes"] = n * (512 + 1) * 4 + T * H * (512 * 2 + 4)
+            rec["merge_floor_us"] = rec["merge_bytes"] / copy_bw * 1e6
+            # the partials of one call, then the merge alone with other tile shapes
+            ws = v1._workspace(sets[0][0].device, p.dev_index, v1._raw_stream(p.dev_index), p.ws_numel)
+            call(sets[0])
+            po = ws[:n * 512].view(n, 512)
+            plse = ws[n * 512:n * 513]
+            out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+            lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+            ref = None
+            variants = {}
+            block_s = 16 if p.num_splits <= 16 else v1.MAX_SPLITS
+            for bd, nw in MERGE_VARIANTS:
+                def run(bd=bd, nw=nw):
+                    v1._sparse_mla_merge_kernel[(T * H * (512 // bd),)](
+                        po, plse, out, lse, H, p.num_splits, *out.stride(), *lse.stride(),
+                        BLOCK_S=block_s, BLOCK_D=bd, num_warps=nw)
+                run()
+                if ref is None:
+                    ref = out.clone()
+                same = bool(torch.equal(out, ref))
+                variants[f"BD{bd}_w{nw}"] = {"us": common.time_graph([run], rep_ms=20, warmup_ms=5), "same": same}
+            rec["merge_variants"] = variants
+        torch.cuda.synchronize()
+        return rec
+    finally:
+        if merge is not None:
+            os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{h}:{t}" for h, t in SHAPES), help="H:T,H:T,...")
+    ap.add_argument("--calls", type=int, default=50, help="eager calls profiled per shape")
+    ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "v2_kernel_split_h100.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("v2_kernel_split: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import sparse_mla_v2_gpu as sb
+
+    t0 = time.time()
+    pool = sb.make_pool(POOL_TOKENS, "cuda")
+    copy_bw = common.copy_bandwidth()
+    records: list[dict] = []
+    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "copy_bw_Bps": copy_bw, "context": CTX, "topk": TOPK,
+              "records": records, "complete": False}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write():
+        result["wall_s"] = time.time() - t0
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    for H, T in parse_shapes(args.shapes):
+        for merge in (None, "separate"):
+            if merge is not None and not records[-1]["fused"]:
+                continue  # the dispatch already runs the separate merge here
+            rec = measure(H, T, merge, pool, copy_bw, args.calls)
+            records.append(rec)
+            write()
+            ks = " ".join(f"{k[:28]}={v:.1f}" for k, v in sorted(rec["kernels"].items(), key=lambda kv: -kv[1]))
+            mv = " ".join(f"{k}={v['us']:.1f}{'' if v['same'] else '(!)'}" for k, v in rec.get("merge_variants", {}).items())
+            print(f"H={H} T={T} merge={merge or 'dispatch'} splits={rec['num_splits']} fused={rec['fused']} "
+                  f"call={rec['call_us']:.1f} | {ks} | floor={rec.get('merge_floor_us', float('nan')):.1f} | {mv}",
+                  flush=True)
+    result["complete"] = True
+    write()
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
