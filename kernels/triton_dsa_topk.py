@@ -653,7 +653,9 @@ def _topk_short_kernel(
 # 13.1 us with BITS=4, and 35.4 / 40.0 / 54.3 us at 32k T=1/16/64 against 27.1 / 28.9 / 39.4 us.
 RADIX_BITS = 4
 # Shortest row segment one program of the streaming pass takes when rows are split (SPLIT).
-SEG_MIN = 8192
+# 4096 against 8192 on an H100 (bench/results/topk_sweep2_h100.json): 32k T = 1 / 16 24.0 / 27.3 ->
+# 21.9 / 25.5 us (8 segments instead of 4), 128k T = 1 unchanged (16 either way).
+SEG_MIN = 4096
 # Calls whose rows are all at most this long (max_seq_len) take the one-launch register-resident
 # select (``_topk_short_kernel``) unless ``SHORT=False`` is passed: its packed 16-bit counts hold
 # rows up to 32767 columns, its registers (no spills on sm_90 / sm_120) rows up to 8192.
@@ -718,9 +720,11 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
     # 4; bench/results/indexer_h200_merge_bits.json).
     merge_bits = 8 if (split > 1 and arch_major == 12) else bits
     # rows <= SHORT_MAX: one launch of _topk_short_kernel, BLOCK = the row width rounded up to a
-    # power of two (>= 1024), 16 keys per thread (4 warps at 1024 and 2048, 8 at 4096, 16 at 8192).
-    # At 4096 8 warps beat 16 (8 keys per thread) on an H100: 7.5 / 8.5 / 9.1 / 10.2 against 8.0 /
-    # 9.1 / 9.8 / 10.8 us at T = 1 / 16 / 64 / 128 (bench/results/topk_breakdown_h100.json).
+    # power of two (>= 1024), 4 warps up to 2048, 8 above (16 keys per thread at 4096, 32 at 8192).
+    # On an H100 8 warps beat 16 at 4096: 7.5 / 8.5 / 9.1 / 10.2 against 8.0 / 9.1 / 9.8 / 10.8 us at
+    # T = 1 / 16 / 64 / 128 (bench/results/topk_breakdown_h100.json), and at 8192: 13.4 / 15.3
+    # against 13.7 / 15.6 at T = 1 / 64 (4 warps: 16.8 / 19.6); at 2048 4 and 8 tie (1.1 / 1.5 us,
+    # 16 warps 1.3 at T = 1; topk_sweep2_h100.json).
     short_block = max(1024, triton.next_power_of_2(max(max_seq_len, 1)))
     return dict(S=s, CAP=cap, CHUNK=1024 if big else 2048, RCHUNK=256, ZSIGMA=z, SPLIT=split, GCHUNK=1024, BITS=bits,
                 MERGE_BITS=merge_bits,
@@ -731,7 +735,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
                 # there (92 registers, none)
                 SAMPLE_JOINT=SAMPLE_JOINT and s <= 4096,
-                short_warps=min(16, max(4, short_block // 512)))
+                short_warps=min(8, max(4, short_block // 512)))
 
 
 def merge_segcap(cap: int, split: int) -> int:

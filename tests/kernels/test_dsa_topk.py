@@ -298,8 +298,10 @@ def test_register_merge_writes_the_concatenating_merges_output(kind, split):
             out = torch.full((5, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
             T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 600, **over)
             assert torch.equal(out.cpu(), base.cpu()), (kind, split, extra, segcap)
-    plan = T._launch_plan(T.topk_config(2048, 32768, 16, 132), 2048, 2, 32768, 8, 16)
-    assert plan[-1][1]["MERGE_REGS"] == int(T.MERGE_REGS) and plan[-1][1]["SEGCAP"] == T.merge_segcap(4096, 4)
+    dispatch = T.topk_config(2048, 32768, 16, 132)
+    plan = T._launch_plan(dispatch, 2048, 2, 32768, 8, 16)
+    assert plan[-1][1]["MERGE_REGS"] == int(T.MERGE_REGS)
+    assert plan[-1][1]["SEGCAP"] == T.merge_segcap(4096, dispatch["SPLIT"])
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -595,9 +597,9 @@ def test_short_dispatch_threshold(width, seed):
 
 
 def test_short_config_blocks_and_warps():
-    """BLOCK = max(1024, next power of two of max_seq_len); 16 keys per thread from 2048 (8 at 1024)."""
-    for L, blk, nw in [(1, 1024, 4), (1024, 1024, 4), (1025, 2048, 4), (4096, 4096, 8), (4097, 8192, 16),
-                       (8192, 8192, 16)]:
+    """BLOCK = max(1024, next power of two of max_seq_len); 4 warps up to 2048, 8 above."""
+    for L, blk, nw in [(1, 1024, 4), (1024, 1024, 4), (1025, 2048, 4), (4096, 4096, 8), (4097, 8192, 8),
+                       (8192, 8192, 8)]:
         c = T.topk_config(2048, L)
         assert (c["SHORT"], c["SHORT_BLOCK"], c["short_warps"]) == (True, blk, nw), L
     assert not T.topk_config(2048, 8193)["SHORT"]
