@@ -1145,6 +1145,18 @@ def v2_kernel_config(cc_major: int) -> dict:
 # (~4 us of host time, bench/host_breakdown.py). Config MERGE / GLM5_SPARSE_MLA_MERGE force one.
 V2_FUSED_MERGE = True
 
+def merge_tile(num_splits: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_D, num_warps) of v1's separate merge kernel for a v2 split launch. Up to 16
+    splits one program merges a whole (row, head) (512 columns): with v1's 128-column programs the
+    merge was bound by launching 4 x T x H tiny CTAs, 5-25 us against a 2.8-3.5 us bytes floor at
+    H = 8 / 16, T = 32-128 on an H100, and 512 columns took it to ~1/3 of that
+    (bench/results/v2_kernel_split_h100_merge128.json; the dispatch's tile: v2_kernel_split_h100.json). 17-64 splits keep 128 columns (64 x 512 partials
+    would not fit the registers of one program; 512 columns measured slower at 64 splits)."""
+    if num_splits <= 16:
+        return 16, LATENT_DIM, 4
+    return MAX_SPLITS, 128, 4
+
+
 # config keys that do not choose a kernel's tiles (an override of only these keeps the dispatch's
 # kernel): the merge of a split launch, and FOLD (both kernels take it; other row formats refuse it)
 _KEEP_KERNEL_KEYS = {"MERGE", "FOLD"}
@@ -1450,11 +1462,11 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     consts["FOLD"] = bool(cfg.get("FOLD", False))  # both kernels' last constexpr
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
-    p.merge_grid = (T * H * (LATENT_DIM // 128),)
-    block_s = 16 if p.num_splits <= 16 else MAX_SPLITS
-    p.merge_consts = (block_s, 128)
+    block_s, block_d, merge_warps = merge_tile(p.num_splits)
+    p.merge_grid = (T * H * (LATENT_DIM // block_d),)
+    p.merge_consts = (block_s, block_d)
     p.merge_tail = (H, p.num_splits, ost[0], ost[1], ost[2], lst[0], lst[1])
-    p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=128, num_warps=4)
+    p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps)
     p.dev_index = -1  # CPU: the emulated kernel in the tests
     if q.is_cuda:
         p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -1683,18 +1695,18 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         "maxnreg": c.get("MAXNREG", MAXNREG),
                     })
     for qdt, qt in _PTR_TYPES.items():
-        for block_s in (16, MAX_SPLITS):
+        for block_s, block_d, merge_warps in sorted({merge_tile(ns) for ns in range(2, MAX_SPLITS + 1)}):
             specs.append({
-                "name": f"sparse_mla_v2_merge[{str(qdt).split('.')[-1]},BLOCK_S={block_s}]",
+                "name": f"sparse_mla_v2_merge[{str(qdt).split('.')[-1]},BLOCK_S={block_s},BLOCK_D={block_d}]",
                 "fn": _v1._sparse_mla_merge_kernel,
                 "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": qt, "lse_ptr": "*fp32",
                               "num_heads": "i32", "num_splits": "i32",
                               "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
                               "stride_lt": "i32", "stride_lh": "constexpr",
                               "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"},
-                "constexprs": {"stride_od": 1, "stride_lh": 1, "BLOCK_S": block_s, "BLOCK_D": 128},
+                "constexprs": {"stride_od": 1, "stride_lh": 1, "BLOCK_S": block_s, "BLOCK_D": block_d},
                 "divisible_by_16": ["po_ptr", "plse_ptr", "out_ptr", "lse_ptr", "stride_ot", "stride_oh"],
-                "num_warps": 4,
+                "num_warps": merge_warps,
                 "num_stages": 1,
             })
     return specs
