@@ -1137,13 +1137,15 @@ def v2_kernel_config(cc_major: int) -> dict:
 
 # The merge of a split launch: True takes v1's rule (fused into the split kernel, ``_merge_if_last``,
 # at <= FUSED_MERGE_MAX_SPLITS = 5 splits, v1's separate merge kernel above), False the separate
-# kernel everywhere. Timed on an H100 (2026-12-07, bench/sparse_mla_v2_gpu.py --fold, fp8_ds_mla,
-# 32k context, dispatch configs; fused / separate us): fused wins at 2-4 splits (H=8 T=128 4
-# splits 94.3 / 100.8, H=16 T=128 2 splits 120.7 / 136.9, H=16 T=64 4 splits 74.7 / 75.3) and
-# loses at 8+ (H=8 T=64 8 splits 63.0 / 59.3, H=16 T=32 8 splits 56.3 / 42.1, T=4 64 splits 122 /
-# 12.5 and 168 / 13.5: the last arriver's serial merge of 64 partials); it also saves one launch
-# (~4 us of host time, bench/host_breakdown.py). Config MERGE / GLM5_SPARSE_MLA_MERGE force one.
-V2_FUSED_MERGE = True
+# kernel everywhere. On an H100 (2026-12-07, fp8_ds_mla, 32k context, dispatch configs) the fused
+# merge won at 2-4 splits against the separate merge's 128-column tiles (H=8 T=128 94.3 / 100.8 us,
+# H=16 T=128 120.7 / 136.9; bench/sparse_mla_v2_gpu.py --fold) and lost at 8+ (T=4, 64 splits: 122
+# / 12.5: the last arriver's serial merge); with the separate merge's whole-row tiles (merge_tile)
+# the separate merge wins or ties everywhere: H=8 T=128 (4 splits) 89.5 / 92.4, H=16 T=64 (4)
+# 65.4 / 73.6, T=128 (2) 118.5 / 119.2, T=32 (8-16) 33.6-38.1 / 52.6-56.7
+# (bench/results/v2_kernel_split_h100.json): the fused merge's tail costs the attention kernel
+# 8-13 us there. Config MERGE / GLM5_SPARSE_MLA_MERGE still force either.
+V2_FUSED_MERGE = False
 
 def merge_tile(num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_D, num_warps) of v1's separate merge kernel for a v2 split launch. Up to 16
