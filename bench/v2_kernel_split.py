@@ -14,7 +14,9 @@ L2 per pass:
 * ``merge_floor_us``: the separate merge's bytes (partials read, output written) over the copy
   bandwidth measured in the same run;
 * ``merge_variants``: the separate merge kernel alone on one call's partials (L2-resident, as
-  after the attention kernel) with other ``BLOCK_D`` / warps than the plan's.
+  after the attention kernel) with other ``BLOCK_D`` / warps than the plan's;
+* ``forced_splits_us`` (``--splits``): the whole call with the dispatch's config at forced split
+  counts (those the clamp keeps).
 
 Writes ``--out`` (JSON: command, device, records). GPU only.
 
@@ -76,7 +78,7 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
     return times
 
 
-def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int) -> dict:
+def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int, splits=()) -> dict:
     import torch
 
     import sparse_mla_v2_gpu as sb
@@ -132,6 +134,18 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int)
                 same = bool(torch.equal(out, ref))
                 variants[f"BD{bd}_w{nw}"] = {"us": common.time_graph([run], rep_ms=20, warmup_ms=5), "same": same}
             rec["merge_variants"] = variants
+        if splits:  # the dispatch's config with forced split counts (the merge as above)
+            forced = {}
+            for ns in splits:
+                eff = v2.v2_num_splits(T, H, TOPK, v1._dispatch_major(torch.cuda.get_device_capability()[0]),
+                                       torch.cuda.get_device_properties(0).multi_processor_count, num_splits=ns)
+                if eff != ns:
+                    continue  # clamped to another count (no empty split)
+                forced[str(ns)] = common.time_graph(
+                    [(lambda s=s, ns=ns: v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "fp8_ds_mla",
+                                                                 num_splits=ns, return_lse=False)) for s in sets],
+                    rep_ms=30, warmup_ms=10)
+            rec["forced_splits_us"] = forced
         torch.cuda.synchronize()
         return rec
     finally:
@@ -143,6 +157,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{h}:{t}" for h, t in SHAPES), help="H:T,H:T,...")
     ap.add_argument("--calls", type=int, default=50, help="eager calls profiled per shape")
+    ap.add_argument("--splits", default="", help="also time the dispatch's config at these forced split "
+                                                 "counts (comma-separated), as forced_splits_us")
     ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "v2_kernel_split_h100.json"))
     args = ap.parse_args(argv)
     import torch
@@ -170,12 +186,14 @@ def main(argv=None) -> int:
         write()
         ks = " ".join(f"{k[:28]}={v:.1f}" for k, v in sorted(rec["kernels"].items(), key=lambda kv: -kv[1]))
         mv = " ".join(f"{k}={v['us']:.1f}{'' if v['same'] else '(!)'}" for k, v in rec.get("merge_variants", {}).items())
+        mv += "".join(f" S{k}={v:.1f}" for k, v in rec.get("forced_splits_us", {}).items())
         print(f"H={rec['H']} T={rec['T']} merge={rec['merge_env'] or 'dispatch'} splits={rec['num_splits']} "
               f"fused={rec['fused']} call={rec['call_us']:.1f} | {ks} | "
               f"floor={rec.get('merge_floor_us', float('nan')):.1f} | {mv}", flush=True)
 
     for H, T in parse_shapes(args.shapes):
-        d = measure(H, T, None, pool, copy_bw, args.calls)
+        d = measure(H, T, None, pool, copy_bw, args.calls,
+                    splits=[int(x) for x in args.splits.split(",") if x.strip()])
         report(d)
         # the other merge (the fused one only up to 16 splits: past that the last arriver's
         # serial merge takes 100+ us)
