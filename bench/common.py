@@ -11,6 +11,8 @@ so they run and are tested on a CPU-only machine.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import lzma
 import os
 import shutil
@@ -409,3 +411,51 @@ def gather_fn(pool_words, idx, splits: int, block_n: int, warps: int, out=None):
                        BLOCK_N=block_n, SPLITS=splits, num_warps=warps)
     f.out, f.W = out, W
     return f
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``"a:b,c:d"`` -> [(a, b), (c, d)] (shape lists of the bench scripts)."""
+    out = []
+    for part in text.split(","):
+        a, b = part.split(":")
+        out.append((int(a), int(b)))
+    return out
+
+
+@contextlib.contextmanager
+def sparse_mla_merge_env(merge: str | None):
+    """``GLM5_SPARSE_MLA_MERGE=merge`` inside the block (None: unchanged). It steers the dispatch's
+    merge without a config, which would take the planning path on every call."""
+    if merge is None:
+        yield
+        return
+    os.environ["GLM5_SPARSE_MLA_MERGE"] = merge
+    try:
+        yield
+    finally:
+        os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
+
+
+class ResultsFile:
+    """A results JSON (``header`` + ``records`` + ``complete`` + ``wall_s``) rewritten after every
+    record: a run stopped by its time limit keeps what it measured."""
+
+    def __init__(self, path, header: dict):
+        self.path = Path(path)
+        self.t0 = time.time()
+        self.records: list[dict] = []
+        self.doc = dict(header, records=self.records, complete=False)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, rec: dict) -> None:
+        self.records.append(rec)
+        self.write()
+
+    def finish(self) -> None:
+        self.doc["complete"] = True
+        self.write()
+        print(f"wrote {self.path}")
+
+    def write(self) -> None:
+        self.doc["wall_s"] = time.time() - self.t0
+        self.path.write_text(json.dumps(self.doc, indent=1) + "\n")

@@ -25,10 +25,7 @@ Results: ``--out`` JSON (records + the command). GPU only.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,11 +39,7 @@ SHAPES = ((1, 8), (64, 8), (128, 8), (64, 16), (8192, 8))
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``T:H,T:H`` -> [(T, H), ...]"""
-    out = []
-    for part in text.split(","):
-        t, h = part.split(":")
-        out.append((int(t), int(h)))
-    return out
+    return common.parse_pairs(text)
 
 
 def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
@@ -63,10 +56,8 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
     idx = torch.randint(0, 4096 * 64, (T, 2048), device=dev, dtype=torch.int32, generator=g)
     out = torch.empty((T, H, 512), device=dev, dtype=torch.bfloat16)
     lse = torch.empty((T, H), device=dev, dtype=torch.float32)
-    if merge is not None:  # GLM5_SPARSE_MLA_MERGE steers the dispatch without a config (a config
-        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge  # would take the planning path every call)
     v2._PLANS_V2.clear()
-    try:
+    with common.sparse_mla_merge_env(merge):
         def call():
             return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False)
 
@@ -121,9 +112,6 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
                                   *margs), calls=calls)
         torch.cuda.synchronize()
         return rec
-    finally:
-        if merge is not None:
-            os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
 
 
 def main(argv=None) -> int:
@@ -137,28 +125,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("host_breakdown: needs a CUDA GPU", file=sys.stderr)
         return 2
-    t0 = time.time()
-    records = []
-    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "unit": "us (median wall time of one call)", "records": records,
-              "complete": False}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-
-    def write():  # after every record: a run stopped by its time limit keeps what it measured
-        result["wall_s"] = time.time() - t0
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
+    res = common.ResultsFile(args.out, {"command": common.command_line(__file__, argv),
+                                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "unit": "us (median wall time of one call)"})
     for T, H in parse_shapes(args.shapes):
         for merge in (None, "fused", "separate"):
             rec = measure(T, H, merge, args.calls)
             if merge is not None and rec["num_splits"] == 1:
                 continue  # no split: no merge to compare
-            records.append(rec)
-            write()
+            res.add(rec)
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
-    result["complete"] = True
-    write()
-    print(f"wrote {args.out}")
+    res.finish()
     return 0
 
 

@@ -26,11 +26,8 @@ Writes ``--out`` (JSON: command, device, records). GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,11 +47,7 @@ MERGE_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8), (128, 1), (64, 2))  # 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``"8:32,16:64"`` -> [(H, T), ...]"""
-    out = []
-    for part in text.split(","):
-        h, t = part.split(":")
-        out.append((int(h), int(t)))
-    return out
+    return common.parse_pairs(text)
 
 
 def kernel_times(fn, calls: int) -> dict[str, float]:
@@ -91,10 +84,8 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
     n_sets = max(2, min(32, math.ceil(3 * 50e6 / (T * TOPK * 656))))
     sets = [(torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16),
              sb.make_indices(T, CTX, nb, gen, dev)) for _ in range(n_sets)]
-    if merge is not None:
-        os.environ["GLM5_SPARSE_MLA_MERGE"] = merge
     v2._PLANS_V2.clear()
-    try:
+    with common.sparse_mla_merge_env(merge):
         def call(s):
             return v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "fp8_ds_mla", return_lse=False)
 
@@ -148,9 +139,6 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
             rec["forced_splits_us"] = forced
         torch.cuda.synchronize()
         return rec
-    finally:
-        if merge is not None:
-            os.environ.pop("GLM5_SPARSE_MLA_MERGE", None)
 
 
 def main(argv=None) -> int:
@@ -168,22 +156,14 @@ def main(argv=None) -> int:
         return 2
     import sparse_mla_v2_gpu as sb
 
-    t0 = time.time()
     pool = sb.make_pool(POOL_TOKENS, "cuda")
     copy_bw = common.copy_bandwidth()
-    records: list[dict] = []
-    result = {"command": common.command_line(__file__, argv), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "copy_bw_Bps": copy_bw, "context": CTX, "topk": TOPK,
-              "records": records, "complete": False}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-
-    def write():
-        result["wall_s"] = time.time() - t0
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    res = common.ResultsFile(args.out, {"command": common.command_line(__file__, argv),
+                                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "copy_bw_Bps": copy_bw, "context": CTX, "topk": TOPK})
 
     def report(rec):
-        records.append(rec)
-        write()
+        res.add(rec)
         ks = " ".join(f"{k[:28]}={v:.1f}" for k, v in sorted(rec["kernels"].items(), key=lambda kv: -kv[1]))
         mv = " ".join(f"{k}={v['us']:.1f}{'' if v['same'] else '(!)'}" for k, v in rec.get("merge_variants", {}).items())
         mv += "".join(f" S{k}={v:.1f}" for k, v in rec.get("forced_splits_us", {}).items())
@@ -200,9 +180,7 @@ def main(argv=None) -> int:
         other = "separate" if d["fused"] else "fused" if 1 < d["num_splits"] <= 16 else None
         if other is not None:
             report(measure(H, T, other, pool, copy_bw, args.calls))
-    result["complete"] = True
-    write()
-    print(f"wrote {args.out}")
+    res.finish()
     return 0
 
 

@@ -508,15 +508,24 @@ _COUNTERS: dict = {}
 _RETIRED_COUNTERS: list = []
 
 
-def _counters(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
+def _stream_buffer(store: dict, retired: list, device, dev_index: int, stream: int, n: int, dtype,
+                   minimum: int) -> torch.Tensor:
+    """The (device, stream)'s buffer in ``store``, grown to >= n elements (a power of two); a
+    replaced buffer goes to ``retired``, never freed (a captured graph may still point at it).
+    New int32 buffers are zeroed (the counters' invariant), float ones are not."""
     key = (dev_index, stream)
-    buf = _COUNTERS.get(key)
+    buf = store.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:
-            _RETIRED_COUNTERS.append(buf)
-        buf = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
+            retired.append(buf)
+        size = max(minimum, triton.next_power_of_2(n))
+        buf = (torch.zeros if dtype == torch.int32 else torch.empty)(size, dtype=dtype, device=device)
+        store[key] = buf
     return buf
+
+
+def _counters(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
+    return _stream_buffer(_COUNTERS, _RETIRED_COUNTERS, device, dev_index, stream, n, torch.int32, 1024)
 
 
 # Per-(device, stream) float32 workspaces of direct launches (v2's split partials and LSE sink):
@@ -528,14 +537,7 @@ _RETIRED_WORKSPACES: list = []
 
 
 def _workspace(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
-    key = (dev_index, stream)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED_WORKSPACES.append(buf)
-        buf = torch.empty(max(4096, triton.next_power_of_2(n)), dtype=torch.float32, device=device)
-        _WORKSPACES[key] = buf
-    return buf
+    return _stream_buffer(_WORKSPACES, _RETIRED_WORKSPACES, device, dev_index, stream, n, torch.float32, 4096)
 
 
 def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, num_sms: int,

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/host_breakdown.py on CPU: its shape parsing and that it refuses to run without a GPU."""
+"""bench/host_breakdown.py and bench/v2_kernel_split.py on CPU: their shape parsing and that they
+refuse to run without a GPU."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import host_breakdown  # noqa: E402
+import v2_kernel_split  # noqa: E402
 
 
-def test_parse_shapes():
-    assert host_breakdown.parse_shapes("1:8,8192:16") == [(1, 8), (8192, 16)]
+@pytest.mark.parametrize("mod", [host_breakdown, v2_kernel_split], ids=["host_breakdown", "v2_kernel_split"])
+def test_parse_shapes(mod):
+    assert mod.parse_shapes("1:8,8192:16") == [(1, 8), (8192, 16)]
     with pytest.raises(ValueError):
-        host_breakdown.parse_shapes("1x8")
+        mod.parse_shapes("1x8")
 
 
-def test_needs_a_gpu(capsys):
+@pytest.mark.parametrize("mod,name", [(host_breakdown, "host_breakdown"), (v2_kernel_split, "v2_kernel_split")])
+def test_needs_a_gpu(mod, name, capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    assert host_breakdown.main(["--shapes", "1:8"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert mod.main(["--shapes", "1:8"]) == 2
+    assert f"{name}: needs a CUDA GPU" in capsys.readouterr().err
