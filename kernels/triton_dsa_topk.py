@@ -407,7 +407,7 @@ def _topk_merge_kernel(
     K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
     RCHUNK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, GCHUNK: tl.constexpr,
     BITS: tl.constexpr, SHORT_SELECT: tl.constexpr, BISECT_BITS: tl.constexpr, MERGE_REGS: tl.constexpr,
-    SEGCAP: tl.constexpr,
+    SEGCAP: tl.constexpr, MERGE_BISECT: tl.constexpr = False,
 ):
     """Pass 2, grid (rows,): rows <= K are filled; rows <= CAP are selected directly from the logits;
     longer rows concatenate their segments (position order), check the window and resolve it; an
@@ -508,7 +508,17 @@ def _topk_merge_kernel(
                 while (npass < 32 // BITS) & ((width >> tl.minimum(BITS * npass, 31).to(tl.uint32)) != 0):
                     npass += 1
                 cidx = tl.load(ci + cj, mask=cm, other=0, cache_modifier=".cg")
-                _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
+                if MERGE_BISECT:
+                    # the short rows' register bisection on the window's relative keys (< 2**(BITS *
+                    # npass)): no shared-memory histogram per pass; the same lanes in the same order
+                    need = K - n_gt
+                    if n_w > need:
+                        _bisect_store(tl.where(cm, rel, 0), cidx, cm, n_w, out + n_gt, need, BISECT_BITS,
+                                      BITS * npass)
+                    else:  # the whole window is taken
+                        tl.store(out + n_gt + cj, cidx, mask=cm)
+                else:
+                    _resolve_store(rel, cidx, cm, n_gt, K - n_gt, npass, out, BITS)
 
 
 @triton.jit
@@ -670,6 +680,13 @@ BISECT_BITS = 2
 # bench/results/indexer_h100_merge_regs.json) it was 1-12% slower than the concatenating merge at
 # 32k T = 1/16/64 and 128k T = 1/16 (docs/notes/dsa_indexer.md, "Register merge").
 MERGE_REGS = False
+# Long rows: the merge kernel resolves the window with the short rows' register bisection
+# (``_bisect_store`` on the window's keys relative to its low end) instead of the radix select's
+# shared-memory histograms. Same output, order included (tested). Off until timed: the merge is
+# 12-16 us of the 21-46 us top-k at 32k-128k on an H100, latency-bound on one CTA per row
+# (docs/notes/dsa_indexer.md). SM90 first: there its merges compile with 0-8 B of stack (the radix
+# resolve's 8-24 B); on sm_120 with Triton 3.6 the split merges (8-bit digits) need 32 B.
+MERGE_BISECT = False
 # The pivot window's two sample order statistics: leading bits resolved (``SAMPLE_BITS``; hi is
 # rounded up and lo down past them, so fewer bits only widen the window) and whether one
 # histogram per pass serves both ranks while they share their digits (``SAMPLE_JOINT``).
@@ -730,7 +747,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
                 SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
-                MERGE_REGS=MERGE_REGS, SAMPLE_BITS=SAMPLE_BITS,
+                MERGE_REGS=MERGE_REGS, MERGE_BISECT=MERGE_BISECT, SAMPLE_BITS=SAMPLE_BITS,
                 # the joint select holds both ranks' histograms: with the 8192-key sample (rows >
                 # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
                 # there (92 registers, none)
@@ -871,7 +888,9 @@ def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int,
                                           GCHUNK=cfg["GCHUNK"], BITS=cfg.get("MERGE_BITS", cfg["BITS"]),
                                           SHORT_SELECT=int(bool(cfg.get("SHORT_SELECT", True))),
                                           BISECT_BITS=cfg["BISECT_BITS"], MERGE_REGS=int(bool(cfg.get("MERGE_REGS"))),
-                                          SEGCAP=cfg.get("SEGCAP") or merge_segcap(cap, split)), merge_warps))
+                                          SEGCAP=cfg.get("SEGCAP") or merge_segcap(cap, split),
+                                          MERGE_BISECT=int(bool(cfg.get("MERGE_BISECT", MERGE_BISECT)))),
+                 merge_warps))
     return plan
 
 

@@ -208,7 +208,7 @@ def test_gpu_persistent_topk_k2048(kind, width):
     # the pivot window's sample select variants: SAMPLE_JOINT computes the same window as two
     # selects (same output, same order), other SAMPLE_BITS another window (same set)
     for over in ({"SAMPLE_JOINT": False}, {"SAMPLE_JOINT": False, "SAMPLE_BITS": 20},
-                 {"SAMPLE_BITS": 20}, {"SAMPLE_BITS": 12}, {"merge_warps": 8}):
+                 {"SAMPLE_BITS": 20}, {"SAMPLE_BITS": 12}, {"merge_warps": 8}, {"MERGE_BISECT": True}):
         other = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
         T.persistent_topk(lg, lens, other, None, 2048, width, **over)
         if over.get("SAMPLE_BITS", T.SAMPLE_BITS) != T.SAMPLE_BITS:
@@ -302,6 +302,31 @@ def test_register_merge_writes_the_concatenating_merges_output(kind, split):
     plan = T._launch_plan(dispatch, 2048, 2, 32768, 8, 16)
     assert plan[-1][1]["MERGE_REGS"] == int(T.MERGE_REGS)
     assert plan[-1][1]["SEGCAP"] == T.merge_segcap(4096, dispatch["SPLIT"])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", ["randn", "ties", "spikes", "negative", "dups", "increasing"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_bisect_merge_writes_the_radix_merges_output(kind, split, bits):
+    """MERGE_BISECT (the long rows' window resolved by the register bisection on keys relative to
+    the window's low end) writes the same output, in the same order, as the radix resolve: with the
+    sampled window, when the window misses (the exact fallback, ZSIGMA -30) and with both digit
+    widths (the bisection's top bit follows BITS x passes)."""
+    g = torch.Generator().manual_seed(31 + split + bits)
+    lg = _rows(kind, 5, 600, g)
+    lens = torch.tensor([10, 300, 599, 600, 129], dtype=torch.int32)
+    ref = T.persistent_topk_reference(lg, lens, K_SMALL)
+    for extra in ({}, {"ZSIGMA": -30.0}):
+        cfg = dict(SMALL, SPLIT=split, BITS=bits, **extra)
+        outs = {}
+        for bisect in (False, True):
+            out = torch.full((5, K_SMALL), -7, dtype=torch.int32, device=DEVICE)
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, K_SMALL, 600, **cfg, MERGE_BISECT=bisect)
+            outs[bisect] = out.cpu()
+        _check(outs[False], ref)
+        assert torch.equal(outs[True], outs[False]), (kind, split, bits, extra)
+    plan = T._launch_plan(T.topk_config(2048, 32768, 16, 132), 2048, 2, 32768, 8, 16)
+    assert plan[-1][1]["MERGE_BISECT"] == int(T.MERGE_BISECT)
 
 
 @pytest.mark.parametrize("split", [1, 2])
