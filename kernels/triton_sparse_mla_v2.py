@@ -1147,13 +1147,14 @@ def v2_kernel_config(cc_major: int) -> dict:
 # 8-13 us there. Config MERGE / GLM5_SPARSE_MLA_MERGE still force either.
 V2_FUSED_MERGE = False
 
+
 def merge_tile(num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_D, num_warps) of v1's separate merge kernel for a v2 split launch. Up to 16
     splits one program merges a whole (row, head) (512 columns): with v1's 128-column programs the
-    merge was bound by launching 4 x T x H tiny CTAs, 5-25 us against a 2.8-3.5 us bytes floor at
-    H = 8 / 16, T = 32-128 on an H100, and 512 columns took it to ~1/3 of that
-    (bench/results/v2_kernel_split_h100_merge128.json; the dispatch's tile: v2_kernel_split_h100.json). 17-64 splits keep 128 columns (64 x 512 partials
-    would not fit the registers of one program; 512 columns measured slower at 64 splits)."""
+    merge was bound by launching 4 x T x H tiny CTAs, 5.1-25.3 us against a 2.8-3.5 us bytes floor
+    at H = 8 / 16, T = 32-128 on an H100 (bench/results/v2_kernel_split_h100_merge128.json); whole
+    rows take 3.3-6.2 us (v2_kernel_split_h100.json). 17-64 splits keep 128 columns (64 x 512
+    partials would not fit one program's registers; 512 columns measured slower at 64 splits)."""
     if num_splits <= 16:
         return 16, LATENT_DIM, 4
     return MAX_SPLITS, 128, 4
