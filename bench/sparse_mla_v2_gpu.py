@@ -446,7 +446,6 @@ def main(argv=None) -> int:
     if reason is None and not args.skip_config_checks:  # every forced tuning config once, against float64
         gen0 = torch.Generator(device=dev).manual_seed(99)
         small = ds_mla_rows(256 * BS, gen0, dev).view(256, BS, 656)
-        optin = getattr(props, "shared_memory_per_block_optin", 101376)
         for c in v2.TUNING_CONFIGS:
             if v2.shared_bytes_v2(c["BLOCK_N"]) > optin:
                 continue
@@ -542,7 +541,6 @@ def main(argv=None) -> int:
                             s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c1)) for s in sets])
                         if reason is None and ctx == max(ctxs) and (args.sweep_all_t or T in (1, 32, 128)):
                             # tuning data: forced tile configs and split policies next to the dispatch
-                            optin = getattr(props, "shared_memory_per_block_optin", 101376)
                             sweep = {}
                             # variants of the 16-head-block kernel from its defaults (the
                             # dispatch's own choice, KEYS_M or not, is v2_us above)

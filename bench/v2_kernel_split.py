@@ -113,7 +113,7 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
             lse = torch.empty((T, H), dtype=torch.float32, device=dev)
             ref = None
             variants = {}
-            block_s = 16 if p.num_splits <= 16 else v1.MAX_SPLITS
+            block_s = v2.merge_tile(p.num_splits)[0]
             for bd, nw in MERGE_VARIANTS:
                 def run(bd=bd, nw=nw):
                     v1._sparse_mla_merge_kernel[(T * H * (512 // bd),)](
