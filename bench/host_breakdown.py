@@ -91,10 +91,8 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         k = p.kernel
         if k is not None:
             stream = v1._raw_stream(p.dev_index)
-            n = T * H * p.num_splits
-            scratch = torch.empty(max(1, n * 513), dtype=torch.float32, device=dev)
-            pp = scratch.data_ptr()
-            plp = pp + n * 512 * 4
+            pp = v1._workspace(q.device, p.dev_index, stream, p.ws_numel).data_ptr()  # as the direct launch
+            plp = pp + T * H * p.num_splits * 512 * 4
             cntp = v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
             rec["workspace"] = common.host_us(lambda: v1._workspace(q.device, p.dev_index, stream, p.ws_numel),
                                               calls=calls)
