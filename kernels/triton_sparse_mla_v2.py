@@ -1139,7 +1139,7 @@ def v2_kernel_config(cc_major: int) -> dict:
 # at <= FUSED_MERGE_MAX_SPLITS = 5 splits, v1's separate merge kernel above), False the separate
 # kernel everywhere. On an H100 (2026-12-07, fp8_ds_mla, 32k context, dispatch configs) the fused
 # merge won at 2-4 splits against the separate merge's 128-column tiles (H=8 T=128 94.3 / 100.8 us,
-# H=16 T=128 120.7 / 136.9; bench/sparse_mla_v2_gpu.py --fold) and lost at 8+ (T=4, 64 splits: 122
+# H=16 T=128 120.7 / 136.9; bench/results/sparse_mla_v2_fold_h100_stdout.txt) and lost at 8+ (T=4, 64 splits: 122
 # / 12.5: the last arriver's serial merge); with the separate merge's whole-row tiles (merge_tile)
 # the separate merge wins or ties everywhere: H=8 T=128 (4 splits) 89.5 / 92.4, H=16 T=64 (4)
 # 65.4 / 73.6, T=128 (2) 118.5 / 119.2, T=32 (8-16) 33.6-38.1 / 52.6-56.7
