@@ -16,7 +16,10 @@ L2 per pass:
 * ``merge_variants``: the separate merge kernel alone on one call's partials (L2-resident, as
   after the attention kernel) with other ``BLOCK_D`` / warps than the plan's;
 * ``forced_splits_us`` (``--splits``): the whole call with the dispatch's config at forced split
-  counts (those the clamp keeps).
+  counts (those the clamp keeps);
+* ``configs`` (``--configs``, a JSON object name -> config override): the whole call under each
+  config (its own split policy), with its split count and its output's relative L2 distance to
+  the dispatch's on the same inputs (``rel_vs_dispatch``).
 
 Writes ``--out`` (JSON: command, device, records). GPU only.
 
@@ -26,6 +29,7 @@ Writes ``--out`` (JSON: command, device, records). GPU only.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -71,7 +75,8 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
     return times
 
 
-def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int, splits=()) -> dict:
+def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int, splits=(),
+            configs: dict | None = None) -> dict:
     import torch
 
     import sparse_mla_v2_gpu as sb
@@ -137,6 +142,28 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
                                                                  num_splits=ns, return_lse=False)) for s in sets],
                     rep_ms=30, warmup_ms=10)
             rec["forced_splits_us"] = forced
+        if configs:  # whole calls under config overrides, checked against the dispatch's output
+            optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 101376)
+            cc = v1._dispatch_major(torch.cuda.get_device_capability()[0])
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            ref = call(sets[0])[0].float()
+            res = {}
+            for name, c in configs.items():
+                sb = v2.shared_bytes_v2(c.get("BLOCK_N", 32), ring=c.get("RING", 2), keys_m=bool(c.get("KEYS_M")),
+                                        warps_h=c.get("WARPS_H", 1))
+                if sb > optin:
+                    res[name] = {"skipped": f"{sb} B of shared memory > {optin}"}
+                    continue
+
+                def ccall(s, c=c):
+                    return v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, "fp8_ds_mla", config=dict(c),
+                                                   fallback=False, return_lse=False)
+
+                o = ccall(sets[0])[0].float()
+                res[name] = {"rel_vs_dispatch": ((o - ref).norm() / ref.norm()).item(),
+                             "num_splits": v2.v2_num_splits(T, H, TOPK, cc, sms, config=c),
+                             "us": common.time_graph([(lambda s=s: ccall(s)) for s in sets], rep_ms=30, warmup_ms=10)}
+            rec["configs"] = res
         torch.cuda.synchronize()
         return rec
 
@@ -147,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=50, help="eager calls profiled per shape")
     ap.add_argument("--splits", default="", help="also time the dispatch's config at these forced split "
                                                  "counts (comma-separated), as forced_splits_us")
+    ap.add_argument("--configs", default="", help="JSON object name -> config override: also time the whole "
+                                                  "call under each (as configs)")
     ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "v2_kernel_split_h100.json"))
     args = ap.parse_args(argv)
     import torch
@@ -156,6 +185,9 @@ def main(argv=None) -> int:
         return 2
     import sparse_mla_v2_gpu as sb
 
+    configs = json.loads(args.configs) if args.configs else None
+    if configs is not None and not (isinstance(configs, dict) and all(isinstance(v, dict) for v in configs.values())):
+        ap.error("--configs must be a JSON object of name -> config dict")
     pool = sb.make_pool(POOL_TOKENS, "cuda")
     copy_bw = common.copy_bandwidth()
     res = common.ResultsFile(args.out, {"command": common.command_line(__file__, argv),
@@ -167,13 +199,15 @@ def main(argv=None) -> int:
         ks = " ".join(f"{k[:28]}={v:.1f}" for k, v in sorted(rec["kernels"].items(), key=lambda kv: -kv[1]))
         mv = " ".join(f"{k}={v['us']:.1f}{'' if v['same'] else '(!)'}" for k, v in rec.get("merge_variants", {}).items())
         mv += "".join(f" S{k}={v:.1f}" for k, v in rec.get("forced_splits_us", {}).items())
+        mv += "".join(f" {k}={v['us']:.1f}(S{v['num_splits']},rel {v['rel_vs_dispatch']:.1e})" if "us" in v
+                      else f" {k}=skipped" for k, v in rec.get("configs", {}).items())
         print(f"H={rec['H']} T={rec['T']} merge={rec['merge_env'] or 'dispatch'} splits={rec['num_splits']} "
               f"fused={rec['fused']} call={rec['call_us']:.1f} | {ks} | "
               f"floor={rec.get('merge_floor_us', float('nan')):.1f} | {mv}", flush=True)
 
     for H, T in parse_shapes(args.shapes):
         d = measure(H, T, None, pool, copy_bw, args.calls,
-                    splits=[int(x) for x in args.splits.split(",") if x.strip()])
+                    splits=[int(x) for x in args.splits.split(",") if x.strip()], configs=configs)
         report(d)
         # the other merge (the fused one only up to 16 splits: past that the last arriver's
         # serial merge takes 100+ us)

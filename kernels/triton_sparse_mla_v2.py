@@ -591,7 +591,7 @@ if HAS_GLUON:
             gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_h * stride_lh, lse, mask=hmask)
 
     # ----------------------------------------------------------------------------------------
-    # Keys as the MMA's M (KEYS_M): S^T = K q^T and O^T += V^T P^T, for H <= 8
+    # Keys as the MMA's M (KEYS_M): S^T = K q^T and O^T += V^T P^T, for H <= 8 (or 16, WARPS_H 2)
     # ----------------------------------------------------------------------------------------
     # The kernel above pads 8 heads to the 16 rows of mma.sync's M and splits the keys over the
     # warps, so every warp re-reads all of q from shared memory per tile and half of every MMA is
@@ -601,6 +601,9 @@ if HAS_GLUON:
     # goes through a 2 KB shared tile into the B-operand layout of O^T += V^T P^T, whose A operand
     # is the same dequantized tile read transposed. Half the mma.sync instructions and ~40% less
     # shared-memory traffic per key than the kernel above (docs/notes/sparse_mla_v2.md).
+    # WARPS_H 2 (BLOCK_H 16) splits the warps over two 8-head columns as well as over the keys: each
+    # warp keeps q^T of its 8 heads in registers (the same 72), and one staging and dequantization
+    # of each tile serves 16 heads (two head blocks of BLOCK_H 8 would stage and convert it twice).
 
     @gluon.jit
     def _km_group_scores(a0, a1, a2, a3, qt, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr,
@@ -731,14 +734,15 @@ if HAS_GLUON:
                  lat_c, sc_c, rp_c, lat_n, sc_n, rp_n, k0, k1, k2, k3, s_smem, qt,
                  nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
                  BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
-                 DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False, FOLD: gl.constexpr = False):
+                 DQ_VEC: gl.constexpr, RING: gl.constexpr, ROWS8: gl.constexpr = False, FOLD: gl.constexpr = False,
+                 WARPS_H: gl.constexpr = 1):
         """One KV tile of the KEYS_M kernel (same ring protocol as ``_step``). Returns the loop state.
         ``ROWS8`` (fp8 rows): ``sc_*`` are the ring's raw rope stages, ``rp_c`` / ``rp_n`` the one
         16-bit rope tile they are converted into (``nl_rp`` unused). ``FOLD`` (fp8_ds_mla): fp16
         e4m3 K tiles with the group scales folded into S^T and P^T (``r_i``: the running scale
         maximum, ``rq``: q's divisor; both unused otherwise)."""
         GROUP: gl.constexpr = 128
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS // WARPS_H, WARPS_H],
                                                       instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -826,10 +830,11 @@ if HAS_GLUON:
     def _step_km16(kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                    qk_scale_log2, has_next, c0, c1, c2, c3, crp, n0, n1, n2, n3, nrp, s_smem, qt,
                    nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3,
-                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr):
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, DT: gl.constexpr,
+                   WARPS_H: gl.constexpr = 1):
         """One tile of the KEYS_M16 kernel: wait for stage ``c*``, put the next tile in flight into
         ``n*`` (free: every warp is past the previous tile), S^T, softmax, O^T."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS // WARPS_H, WARPS_H],
                                                       instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -885,6 +890,7 @@ if HAS_GLUON:
         ROWS8: gl.constexpr = False,
         KSCALE_FROM_PTR: gl.constexpr = False,
         FOLD: gl.constexpr = False,
+        WARPS_H: gl.constexpr = 1,
     ):
         """The KEYS_M kernel: the same parameters as ``_sparse_mla_v2_kernel`` (one plan and launch
         path; QK_ACCS / S_SWIZZLE / Q_REGS are not used: 4 accumulators, q^T always in registers),
@@ -893,11 +899,12 @@ if HAS_GLUON:
         ``ROWS8``: the cache holds fp8 rows (576 B, e4m3 x one per-tensor scale: ``v_scale``, or the
         fp32 at ``kscale_ptr`` with KSCALE_FROM_PTR; ``qk_scale_log2`` then excludes it); the other
         formats pass ``v_scale`` 1.0 and any pointer. ``FOLD`` (fp8_ds_mla only): the latent is
-        consumed as fp16 e4m3 with the group scales folded into S^T and P^T (see ``_convert_groups``)."""
+        consumed as fp16 e4m3 with the group scales folded into S^T and P^T (see ``_convert_groups``).
+        ``WARPS_H``: warps along the heads (1: BLOCK_H 8; 2: BLOCK_H 16, BLOCK_N = 16 x NUM_WARPS / 2)."""
         GROUP: gl.constexpr = 128
         DV: gl.constexpr = 512
         DT: gl.constexpr = q_ptr.dtype.element_ty
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS // WARPS_H, WARPS_H],
                                                       instr_shape=[16, 8])
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         ROW_M: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -992,12 +999,12 @@ if HAS_GLUON:
                 nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km16(
                     kv_ptr, idx_row, stride_ik, tile, lim, num_slots, block_size, stride_kb, stride_ks,
                     qk_scale_log2, i + 1 < n_t, ga0, ga1, ga2, ga3, rpa, gb0, gb1, gb2, gb3, rpb, s_smem, qt,
-                    nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+                    nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT, WARPS_H)
                 if i + 1 < n_t:
                     nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3 = _step_km16(
                         kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                         qk_scale_log2, i + 2 < n_t, gb0, gb1, gb2, gb3, rpb, ga0, ga1, ga2, ga3, rpa, s_smem, qt,
-                        nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT)
+                        nl_g, nl_r, vs, m_i, l_i, acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, NUM_WARPS, DT, WARPS_H)
         else:
             for i in range(0, n_t, 2):
                 tile = tile_lo + i
@@ -1006,14 +1013,14 @@ if HAS_GLUON:
                     qk_scale_log2, i + 1 < n_t,
                     lat_a, sc_a, rp_a, lat_b, sc_b, rp_b, k0, k1, k2, k3, s_smem, qt,
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
-                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD)
+                    BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD, WARPS_H)
                 if i + 1 < n_t:
                     nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i = _step_km(
                         kv_ptr, idx_row, stride_ik, tile + 1, lim, num_slots, block_size, stride_kb, stride_ks,
                         qk_scale_log2, i + 2 < n_t,
                         lat_b, sc_b, rp_b, lat_a, sc_a, rp_a, k0, k1, k2, k3, s_smem, qt,
                         nl_lat, nl_sc, nl_rp, vs, m_i, l_i, acc0, acc1, acc2, acc3, r_i, rq,
-                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD)
+                        BLOCK_H, BLOCK_N, NUM_WARPS, DT, DQ_VEC, RING, ROWS8, FOLD, WARPS_H)
         cp.wait_group(0)
 
         # ---- epilogue: O^T [dims, heads] -> out[t, h, dims] ------------------------------------
@@ -1213,6 +1220,20 @@ KEYS_M_CONFIGS = (
     {"KEYS_M": True, "BLOCK_H": 8, "BLOCK_N": 32, "NUM_WARPS": 2, "RING": 2, "CTAS_PER_SM": 3},
 )
 
+# KEYS_M with 16 heads in one CTA (WARPS_H 2: the warps split over the keys and over two 8-head
+# columns; each tile staged and dequantized once for 16 heads, where two BLOCK_H 8 head blocks
+# convert it twice). On sm_90 (Triton 3.6): 250 registers at BLOCK_N 32 / 4 warps (two CTAs per
+# SM), 231 at BLOCK_N 64 / 8 warps (one), no spills; shared memory 55,808 B (fp8_ds_mla, RING 1),
+# 76,800 B (RING 2), 111,616 B (BLOCK_N 64), 75,776 B (ROWS16), 57,344 B (ROWS8).
+KEYS_M_H16_CONFIGS = (
+    {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
+    {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 2, "CTAS_PER_SM": 2},
+    {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 64, "NUM_WARPS": 8, "RING": 1, "CTAS_PER_SM": 1},
+    {"KEYS_M": True, "ROWS16": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "CTAS_PER_SM": 2},
+    {"KEYS_M": True, "ROWS8": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 1,
+     "CTAS_PER_SM": 2},
+)
+
 
 # KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, dispatched by
 # rows16_config): 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at
@@ -1236,15 +1257,17 @@ ROWS8_CONFIGS = (
 
 
 def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 2, keys_m: bool = False,
-                    rows16: bool = False, rows8: bool = False) -> int:
+                    rows16: bool = False, rows8: bool = False, warps_h: int = 1) -> int:
     """Shared memory the kernel allocates explicitly: the ring ``ring`` x (512 + 16 + 64*elem) B per
-    row, the 16-bit K tile, q and the fp32 S tile (KEYS_M: no q tile, q^T lives in registers)."""
+    row, the 16-bit K tile, q and the fp32 S tile (KEYS_M: no q tile, q^T lives in registers; its S^T
+    tile has 8 x ``warps_h`` head columns)."""
+    s_tile = block_n * 8 * warps_h * 4
     if rows16:  # two stages of 576 16-bit values per row, the S^T tile
-        return 2 * block_n * 576 * elem + block_n * 8 * 4
+        return 2 * block_n * 576 * elem + s_tile
     if rows8:  # ring x 576 raw bytes per row, the 16-bit latent and rope tiles, the S^T tile
-        return ring * block_n * 576 + block_n * 576 * elem + block_n * 8 * 4
+        return ring * block_n * 576 + block_n * 576 * elem + s_tile
     if keys_m:
-        return ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_n * 8 * 4
+        return ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + s_tile
     return (ring * block_n * (512 + 16 + 64 * elem) + block_n * 512 * elem + block_h * 576 * elem
             + block_h * block_n * 4)
 
@@ -1424,8 +1447,10 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     bh, bn, nw = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["NUM_WARPS"]
     if cfg.get("FOLD") and (rows16 or rows8):
         raise ValueError("config FOLD (e4m3 consumed as fp16, scales folded) is an option for fp8_ds_mla rows")
-    if cfg.get("KEYS_M") and (bh != 8 or bn != 16 * nw):
-        raise ValueError(f"KEYS_M needs BLOCK_H 8 and BLOCK_N = 16 x NUM_WARPS, got {bh} / {bn} / {nw}")
+    wh = int(cfg.get("WARPS_H", 1))
+    if cfg.get("KEYS_M") and (wh not in (1, 2) or nw % wh or bh != 8 * wh or bn != 16 * nw // wh):
+        raise ValueError(f"KEYS_M needs WARPS_H 1 or 2, BLOCK_H = 8 x WARPS_H and BLOCK_N = 16 x NUM_WARPS / WARPS_H, "
+                         f"got {bh} / {bn} / {nw} / {wh}")
     n_hb = triton.cdiv(H, bh)
     n_tiles = max(1, triton.cdiv(topk, bn))
     p.num_splits = _splits_for(cfg, T, n_hb, n_tiles, num_sms, num_splits)
@@ -1462,7 +1487,9 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
         consts["ROWS16"] = rows16
         consts["ROWS8"] = rows8
         consts["KSCALE_FROM_PTR"] = kscale_from_ptr
-    consts["FOLD"] = bool(cfg.get("FOLD", False))  # both kernels' last constexpr
+    consts["FOLD"] = bool(cfg.get("FOLD", False))  # both kernels take it
+    if p.keys_m:
+        consts["WARPS_H"] = wh  # the KEYS_M kernel's last constexpr
     p.consts = tuple(consts.values())  # in the kernel's parameter order
     p.meta = dict(consts, num_warps=nw, maxnreg=cfg.get("MAXNREG", MAXNREG))
     block_s, block_d, merge_warps = merge_tile(p.num_splits)
@@ -1640,7 +1667,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                 seen[(c["BLOCK_H"], c["BLOCK_N"], c["NUM_WARPS"], c.get("QK_ACCS", 1), c.get("DQ_VEC", 16),
                       bool(c.get("S_SWIZZLE", False)), c.get("RING", 2), c.get("MAXNREG", MAXNREG),
                       int(c.get("Q_REGS", 0)), bool(c.get("KEYS_M", False)), bool(c.get("ROWS16", False)),
-                      bool(c.get("ROWS8", False)), bool(c.get("FOLD", False)))] = c
+                      bool(c.get("ROWS8", False)), bool(c.get("FOLD", False)), int(c.get("WARPS_H", 1)))] = c
         configs = list(seen.values())
     specs = []
     if HAS_GLUON:
@@ -1652,6 +1679,7 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
             r16 = bool(c.get("ROWS16"))
             r8 = bool(c.get("ROWS8"))
             fold = bool(c.get("FOLD"))
+            wh = int(c.get("WARPS_H", 1))
             for qdt, qt in _PTR_TYPES.items():
                 for split, fused in ((False, False), (True, False), (True, True)):
                     sig = {
@@ -1681,10 +1709,13 @@ def compile_specs(cc_major: int = 12, configs: list[dict] | None = None) -> list
                         cx.update({"ROWS16": r16, "ROWS8": r8, "KSCALE_FROM_PTR": r8})
                     sig["FOLD"] = "constexpr"
                     cx["FOLD"] = fold
+                    if km:
+                        sig["WARPS_H"] = "constexpr"
+                        cx["WARPS_H"] = wh
                     specs.append({
                         "name": (f"sparse_mla_v2{'_km16' if r16 else '_km8' if r8 else '_km' if km else ''}"
                                  f"{'_fold' if fold else ''}[{str(qdt).split('.')[-1]},"
-                                 f"BH={bh},BN={bn},w={nw},qa={qa},"
+                                 f"BH={bh},BN={bn},w={nw}{f',wh={wh}' if wh > 1 else ''},qa={qa},"
                                  f"dq={dq},sw={int(sw)},ring={ring},qreg={qreg},split={int(split)}"
                                  + (f",merge={'fused' if fused else 'separate'}]" if split else "]")),
                         "fn": _sparse_mla_v2_km_kernel if c.get("KEYS_M") else _sparse_mla_v2_kernel,

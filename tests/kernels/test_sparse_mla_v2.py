@@ -128,32 +128,33 @@ print(json.dumps(rows))
 
 @pytest.mark.skipif(not v2.HAS_GLUON, reason="this Triton has no Gluon")
 def test_v2_keys_m_configs_compile_for_sm90():
-    """The KEYS_M kernel's configurations (fp8_ds_mla, 16-bit and fp8 rows) compile for sm_90 without
-    spills (q^T's 72 registers included) and use the shared memory accounted for (two CTAs per SM
-    at BLOCK_N 64 / RING 1)."""
+    """The KEYS_M kernel's configurations (fp8_ds_mla, 16-bit and fp8 rows; 8 heads per CTA and 16
+    with WARPS_H 2) compile for sm_90 without spills (q^T's 72 registers included) and use the
+    shared memory accounted for (two CTAs per SM at BLOCK_N 64 / RING 1)."""
     code = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
 import sm120_check
 from kernels import triton_sparse_mla_v2 as m
 rows = []
-for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS + m.ROWS8_CONFIGS:
+for c in m.KEYS_M_CONFIGS + m.ROWS16_CONFIGS + m.ROWS8_CONFIGS + m.KEYS_M_H16_CONFIGS:
     for s in m.compile_specs(9, [dict(m.pick_config_v2(8, 9, 64), **c)]):
         if s["name"].startswith(("sparse_mla_v2_km[bfloat16", "sparse_mla_v2_km16[bfloat16",
                                  "sparse_mla_v2_km8[bfloat16")):
             assert s["fn"] is m._sparse_mla_v2_km_kernel
             r = sm120_check.compile_spec(s, 90)
             r.update(name=s["name"], ring=c.get("RING", 2), bn=c["BLOCK_N"], rows16=bool(c.get("ROWS16")),
-                     rows8=bool(c.get("ROWS8")))
+                     rows8=bool(c.get("ROWS8")), warps_h=c.get("WARPS_H", 1))
             rows.append(r)
 print(json.dumps(rows))
 '''
     rows = _run_compiled(code)
-    assert len(rows) == 3 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS) + len(v2.ROWS8_CONFIGS))
+    assert len(rows) == 3 * (len(v2.KEYS_M_CONFIGS) + len(v2.ROWS16_CONFIGS) + len(v2.ROWS8_CONFIGS)
+                             + len(v2.KEYS_M_H16_CONFIGS))
     for row in rows:
         assert row["stack"] == 0 and row["local"] == 0, row
         assert row["shared"] == v2.shared_bytes_v2(row["bn"], ring=row["ring"], keys_m=True, rows16=row["rows16"],
-                                                   rows8=row["rows8"]), row
+                                                   rows8=row["rows8"], warps_h=row["warps_h"]), row
     assert v2.shared_bytes_v2(64, ring=1, keys_m=True) * 2 <= 232448  # two CTAs per SM on SM90
 
 
@@ -409,6 +410,33 @@ def test_emulated_v2_keys_m(emulated_v2, ring, warps, seed):
         for ns in (1, 2, 3):
             _check_emulated(q, cache, idx, "fp8_ds_mla", ns, cfg)
     assert emulated_v2.km.launches == 12 and emulated_v2.launches == 0
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+@pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_H16_CONFIGS))))
+def test_emulated_v2_keys_m_h16(emulated_v2, cfg, seed):
+    """KEYS_M with 16 heads per CTA (WARPS_H 2) over its row format (fp8_ds_mla, ROWS16 or ROWS8)
+    against float64: H 1 / 5 / 16 (one head block) and 19 (two), the index conventions, splits,
+    strided q / indices / out / lse; a KEYS_M config whose BLOCK_H / BLOCK_N do not match its
+    WARPS_H is refused."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, T, topk = 8, 16, 5, 300
+    c = dict(v2.KEYS_M_H16_CONFIGS[cfg])
+    if c.get("ROWS16"):
+        cache, fmt, ks = (torch.randn((nb, bs, 576), generator=gen) * 0.5).to(torch.float16), "float16", None
+    elif c.get("ROWS8"):
+        cache = (torch.randn((nb, bs, 576), generator=gen) * 60).to(torch.float8_e4m3fn).view(torch.uint8)
+        fmt, ks = "fp8", 0.0123
+    else:
+        cache, fmt, ks = _cpu_cache(nb, bs, torch.float16, gen), "fp8_ds_mla", None
+    for H in (1, 5, 16, 19):
+        q, idx = _edge_batch(gen, nb, bs, T, H, topk, torch.float16, dup=160)
+        for ns in (1, 3):
+            _check_emulated(q, cache, idx, fmt, ns, c, k_scale=ks)
+    assert emulated_v2.km.launches == 8 and emulated_v2.launches == 0
+    for bad in (dict(c, BLOCK_H=8), dict(c, BLOCK_N=2 * c["BLOCK_N"]), dict(c, WARPS_H=4, BLOCK_H=32)):
+        with pytest.raises(ValueError, match="WARPS_H"):
+            v2.sparse_mla_decode_v2(q, cache, idx, SCALE, fmt, ks, config=bad, fallback=False)
 
 
 @pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
@@ -709,6 +737,28 @@ def test_gpu_v2_keys_m(cfg, fold, seed):
     q, cache, idx = _gpu_keys_m_cases(c, v2.shared_bytes_v2(c["BLOCK_N"], ring=c["RING"], keys_m=True),
                                       lambda nb, bs, dt: make_cache(nb, bs, dt, "cuda"), lambda dt: "fp8_ds_mla")
     check(q, cache.unsqueeze(2), idx, config=c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(range(len(v2.KEYS_M_H16_CONFIGS))))
+def test_gpu_v2_keys_m_h16(cfg, seed):
+    """KEYS_M with 16 heads per CTA (WARPS_H 2; ``_gpu_keys_m_cases``: H 16 in one head block, 8,
+    3, 1) over its row format: fp8_ds_mla (also a 4-d view), ROWS16 (bf16 / fp16 rows), ROWS8
+    (e4m3 rows, the scale as a device tensor)."""
+    c = dict(v2.KEYS_M_H16_CONFIGS[cfg])
+    shared = v2.shared_bytes_v2(c["BLOCK_N"], ring=c.get("RING", 2), keys_m=True, rows16=bool(c.get("ROWS16")),
+                                rows8=bool(c.get("ROWS8")), warps_h=2)
+    if c.get("ROWS16"):
+        _gpu_keys_m_cases(c, shared, lambda nb, bs, dt: (torch.randn((nb, bs, 576), device="cuda") * 0.5).to(dt),
+                          lambda dt: "bfloat16" if dt == torch.bfloat16 else "float16")
+    elif c.get("ROWS8"):
+        ks = torch.full((1,), 0.013, dtype=torch.float32, device="cuda")
+        _gpu_keys_m_cases(c, shared, lambda nb, bs, dt: (torch.randn((nb, bs, 576), device="cuda") * 60).to(
+            torch.float8_e4m3fn).view(torch.uint8), lambda dt: "fp8", k_scale=ks)
+    else:
+        q, cache, idx = _gpu_keys_m_cases(c, shared, lambda nb, bs, dt: make_cache(nb, bs, dt, "cuda"),
+                                          lambda dt: "fp8_ds_mla")
+        check(q, cache.unsqueeze(2), idx, config=c)
 
 
 @pytest.mark.gpu
