@@ -652,6 +652,140 @@ def _topk_short_kernel(
         _bisect_store(u, j, m, L, out, K, BISECT_BITS)
 
 
+# Cooperative select (COOP): several programs per row, exchanging radix histograms through global
+# memory, for calls with too few rows to fill the GPU (decode: T <= 32).
+
+_COOP_PASSES = 4  # 8-bit digits of the 32-bit key, from the top
+_COOP_NB = 256
+_COOP_PHASES = _COOP_PASSES + 2  # the radix passes, the count exchange, the placement
+_COOP_STATE = _COOP_PASSES * _COOP_NB + 4  # int32 words per row: the pass histograms, 2 counters, pad
+
+
+@triton.jit
+def _coop_sync(ctr_ptr, target, SPIN: tl.constexpr):
+    """Grid barrier of one row's programs (a cooperative launch makes them co-resident): arrive on
+    the row's counter, wait until ``target`` arrivals. The CTA barrier before the release makes
+    every thread's global writes / atomics of the phase visible with the arrival; the acquire
+    orders the reads after it. Without ``SPIN`` (the interpreter: programs run one after another)
+    a phase ends at its launch instead and this is a no-op."""
+    if SPIN:
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+        cur = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        while cur < target:
+            cur = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _coop_digit(hist_p, k_rem):
+    """From a row's complete 256-bin histogram of one digit (of the keys sharing the prefix so
+    far): the digit holding the ``k_rem``-th largest key (1-based), ``k_rem`` within that digit's
+    bin, and the bin's count."""
+    d = tl.arange(0, 256)
+    g = tl.load(hist_p + d, cache_modifier=".cg")  # L2: written by other programs' atomics
+    above = tl.sum(g, 0) - tl.cumsum(g, 0)
+    sel = (above < k_rem) & (k_rem <= above + g)
+    return (tl.sum(tl.where(sel, d, 0), 0), k_rem - tl.sum(tl.where(sel, above, 0), 0),
+            tl.sum(tl.where(sel, g, 0), 0))
+
+
+@triton.jit
+def _topk_coop_kernel(
+    logits_ptr, stride_r, stride_c,
+    a_ptr, b_ptr, next_n,
+    out_ptr, stride_o,
+    state_ptr, part_ptr, phase_lo, phase_hi,
+    K: tl.constexpr, KFILL: tl.constexpr, MODE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+    SPIN: tl.constexpr,
+):
+    """Grid (rows, C): program ``c`` of a row holds columns [c * BLOCK, (c + 1) * BLOCK) as uint32
+    keys in registers. Four radix passes (8-bit digits from the top): each program adds the
+    histogram of its keys that share the prefix so far to the row's global histogram of the pass,
+    the row's programs meet at a barrier, and each reads the same digit from the complete
+    histogram (ending early when the chosen bin holds exactly the keys still needed). Then each
+    program publishes its counts above / inside the final window, meets the others once more, and
+    writes its selected positions at offsets from the counts of the programs before it: the
+    selection in ascending position order, ties at the k-th value to the lowest positions (the
+    short kernel's output exactly). The last program of a row to finish zeroes the row's state
+    (histograms, counters, counts: the whole buffer is zero between calls, CUDA-graph safe).
+
+    ``SPIN`` (GPU, cooperative launch): one launch runs every phase with grid barriers between
+    them. Without it (the interpreter, which runs programs one after another) one launch per
+    phase ``[phase_lo, phase_hi)``: the launch boundary is the barrier and each launch replays the
+    digits of the earlier passes from the histograms."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    rs, L = _row_range(a_ptr, b_ptr, row, next_n, MODE)
+    out = out_ptr + row * stride_o
+    if L <= K:
+        if (c == 0) & (phase_hi == 6):
+            fo = tl.arange(0, KFILL)
+            for f0 in range(0, K, KFILL):
+                i = f0 + fo
+                tl.store(out + i, tl.where(i < L, i, -1), mask=i < K)
+    else:
+        hist = state_ptr + row * (4 * 256 + 4)  # _COOP_STATE words per row
+        ctr = hist + 4 * 256  # arrivals at the barriers; ctr + 1: programs finished
+        j = c * BLOCK + tl.arange(0, BLOCK)
+        m = j < L
+        src = logits_ptr + row * stride_r + rs.to(tl.int64) * stride_c
+        x = tl.load(src + j.to(tl.int64) * stride_c, mask=m, other=0.0)
+        u = tl.where(m, _to_u(_f32_key(x)), 0)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        pmask = tl.zeros([], dtype=tl.uint32)
+        k_rem = tl.zeros([], dtype=tl.int32) + K
+        done = tl.zeros([], dtype=tl.int1)
+        nbar = tl.zeros([], dtype=tl.int32)
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            if done == 0:
+                if (p >= phase_lo) & (p < phase_hi):  # this launch runs pass p
+                    dg = ((u >> (24 - 8 * p)) & 255).to(tl.int32)
+                    h = tl.histogram(dg, 256, mask=m & ((u & pmask) == prefix))
+                    tl.atomic_add(hist + p * 256 + bins, h, mask=h > 0, sem="relaxed", scope="gpu")
+                    nbar += 1
+                    _coop_sync(ctr, nbar * C, SPIN)
+                if (p < phase_lo) | SPIN:  # pass p's histogram is complete
+                    dsel, k_rem, g_sel = _coop_digit(hist + p * 256, k_rem)
+                    prefix = prefix | (dsel.to(tl.uint32) << (24 - 8 * p))
+                    pmask = pmask | (tl.full([], 255, tl.uint32) << (24 - 8 * p))
+                    done = g_sel == k_rem
+        # the window [prefix, prefix | ~pmask] holds the k-th largest key; k_rem of its keys are
+        # taken (all of them after an early end, else the lowest-position ties of one value)
+        hi = prefix | (pmask ^ 0xFFFFFFFF)
+        above = m & (u > hi)
+        win = m & (u >= prefix) & (u <= hi)
+        pc = part_ptr + row * (2 * C)
+        if (4 >= phase_lo) & (4 < phase_hi):  # publish this program's counts
+            tl.store(pc + 2 * c, tl.sum(above.to(tl.int32), 0))
+            tl.store(pc + 2 * c + 1, tl.sum(win.to(tl.int32), 0))
+            nbar += 1
+            _coop_sync(ctr, nbar * C, SPIN)
+        if phase_hi == 6:  # place the selection, then the last program out resets the row's state
+            cs = tl.arange(0, C)
+            pa = tl.load(pc + 2 * cs, cache_modifier=".cg")
+            pw = tl.load(pc + 2 * cs + 1, cache_modifier=".cg")
+            w_before = tl.cumsum(pw, 0) - pw  # window keys of the programs before each
+            taken = tl.minimum(tl.maximum(k_rem - w_before, 0), pw)
+            before = cs < c
+            base_sel = tl.sum(tl.where(before, pa + taken, 0), 0)
+            base_w = tl.sum(tl.where(before, pw, 0), 0)
+            n_w = tl.cumsum(win.to(tl.int32), 0)
+            sel = above | (win & (base_w + n_w <= k_rem))
+            opos = base_sel + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out + opos, j, mask=sel)
+            old = tl.atomic_add(ctr + 1, 1, sem="acq_rel", scope="gpu")
+            if old == C - 1:
+                z = tl.zeros([256], dtype=tl.int32)
+                for p in tl.static_range(4):
+                    tl.store(hist + p * 256 + bins, z)
+                tl.store(ctr, 0)
+                tl.store(ctr + 1, 0)
+                # the counts too: a later call with more rows has its state where they were
+                tl.store(pc + tl.arange(0, 2 * C), tl.zeros([2 * C], dtype=tl.int32))
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -695,6 +829,29 @@ MERGE_BISECT = False
 # and from 54.8 to 45.7 us at 128k T = 16 (20 bits joint: 27.9 / 25.1 / 34.9 / 48.9), same output.
 SAMPLE_BITS = 16
 SAMPLE_JOINT = True
+# Calls with too few rows to fill the GPU: the cooperative select (``_topk_coop_kernel``, one
+# cooperative launch, C programs per row meeting at grid barriers) instead of the short kernel's
+# one program per row or the segment + merge launches. Off until timed against them on the GPU.
+COOP = False
+# Keys per program of the cooperative select: at most COOP_MAX_BLOCK (32 registers of keys per
+# thread at 8 warps), programs added (powers of two, while the grid stays within one CTA per SM)
+# down to COOP_MIN_BLOCK.
+COOP_MAX_BLOCK = 8192
+COOP_MIN_BLOCK = 1024
+
+
+def coop_shape(k: int, max_seq_len: int, rows: int, num_sms: int) -> tuple[int, int] | None:
+    """(programs per row C, keys per program BLOCK) of the cooperative select, or None where it
+    does not apply: every row fits k (filled), or fewer than 2 programs per row fit one CTA per SM
+    (a cooperative launch needs the whole grid co-resident: rows x C <= SMs)."""
+    if max_seq_len <= k or rows < 1:
+        return None
+    c = triton.next_power_of_2(triton.cdiv(max_seq_len, COOP_MAX_BLOCK))
+    while rows * c * 2 <= num_sms and triton.cdiv(max_seq_len, c * 2) >= COOP_MIN_BLOCK:
+        c *= 2
+    if c < 2 or rows * c > num_sms:
+        return None
+    return c, max(256, triton.next_power_of_2(triton.cdiv(max_seq_len, c)))
 
 
 def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg_min: int = SEG_MIN,
@@ -752,7 +909,7 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
                 # there (92 registers, none)
                 SAMPLE_JOINT=SAMPLE_JOINT and s <= 4096,
-                short_warps=min(8, max(4, short_block // 512)))
+                short_warps=min(8, max(4, short_block // 512)), COOP=COOP)
 
 
 def merge_segcap(cap: int, split: int) -> int:
@@ -851,6 +1008,9 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     major = _arch_major(logits.device.index or 0) if on_gpu else 0
     cfg, num_warps, merge_warps = call_config(k, max_seq_len, rows, sms, major, overrides)
     cap, split = cfg["CAP"], cfg["SPLIT"]
+    coop = coop_shape(k, max_seq_len, rows, sms) if cfg.get("COOP") else None
+    if coop is not None:
+        return _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu)
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
@@ -866,6 +1026,49 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
     for kern, consts, nw in _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps):
         kern[(rows, split) if kern is _topk_segment_kernel else (rows,)](*common, **consts, num_warps=nw)
+    return out
+
+
+# Per-(device, stream) zeroed state of the cooperative select (the row histograms and counters,
+# zero between calls: the last program of a row resets its own; then the per-program counts).
+# Calls on one stream are ordered; a grown buffer is kept (a captured graph may point at it).
+_COOP_BUFS: dict = {}
+_RETIRED_COOP_BUFS: list = []
+
+
+def _coop_buffer(device: torch.device, n: int) -> torch.Tensor:
+    on_gpu = device.type == "cuda"
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
+    key = (device.type, idx, torch.cuda.current_stream(idx).cuda_stream if on_gpu else 0)
+    buf = _COOP_BUFS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED_COOP_BUFS.append(buf)
+        buf = torch.zeros(max(1 << 14, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+        _COOP_BUFS[key] = buf
+    return buf
+
+
+def coop_launch(k: int, mode: int, cfg: dict, coop: tuple[int, int]) -> tuple:
+    """(kernel, constexprs, num_warps) of a cooperative select (the launch and the compile specs)."""
+    c, block = coop
+    return (_topk_coop_kernel, dict(K=k, KFILL=cfg["KFILL"], MODE=mode, C=c, BLOCK=block, SPIN=True),
+            4 if block <= 2048 else 8)
+
+
+def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu):
+    rows = out.shape[0]
+    c, block = coop
+    buf = _coop_buffer(logits.device, rows * (_COOP_STATE + 2 * c))
+    state, part = buf[:rows * _COOP_STATE], buf[rows * _COOP_STATE:rows * (_COOP_STATE + 2 * c)]
+    kern, consts, nw = coop_launch(k, mode, cfg, coop)
+    args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)
+    if on_gpu:  # one launch, every phase; the cooperative launch guarantees co-residency (or fails)
+        kern[(rows, c)](*args, 0, _COOP_PHASES, **consts, num_warps=nw, launch_cooperative_grid=True)
+    else:  # the interpreter runs programs one after another: one launch per phase, no spinning
+        consts["SPIN"] = False
+        for ph in range(_COOP_PHASES):
+            kern[(rows, c)](*args, ph, ph + 1, **consts, num_warps=nw)
     return out
 
 
@@ -1052,7 +1255,10 @@ def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, 
                 for n in sms:
                     cfg = topk_config(k, L, r, n, arch_major=arch_major)
                     nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
-                    for kern, consts, w in _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw):
+                    coop = coop_shape(k, L, r, n) if cfg["COOP"] else None
+                    plan = ([coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop)] if coop is not None
+                            else _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw))
+                    for kern, consts, w in plan:
                         consts = {a: v for a, v in consts.items() if a != "MODE"}
                         seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
     return sorted(seen.values(), key=lambda t: (t[0].__name__, sorted(t[1].items()), t[2]))
@@ -1069,16 +1275,25 @@ def SM120_COMPILE_SPECS() -> list[dict]:
     }
     div16 = ["logits_ptr", "out_ptr", "seg_gt_ptr", "seg_k_ptr", "seg_i_ptr", "cat_k_ptr", "cat_i_ptr", "cnt_ptr",
              "win_ptr"]
+    coop_sig = {n: t for n, t in common_sig.items() if n in ("logits_ptr", "stride_r", "stride_c", "a_ptr", "b_ptr",
+                                                               "next_n", "out_ptr", "stride_o")}
+    coop_sig.update({"state_ptr": "*i32", "part_ptr": "*i32", "phase_lo": "i32", "phase_hi": "i32"})
     specs = []
     count = {}
     for kern, consts, nw in dispatch_launches():
         i = count[kern.__name__] = count.get(kern.__name__, -1) + 1
         consts = dict(consts, MODE=i % 3)
-        short = {_topk_segment_kernel: "segment", _topk_merge_kernel: "merge", _topk_short_kernel: "short"}[kern]
-        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "BLOCK", "SPLIT", "BITS", "MODE") if a in consts)
+        short = {_topk_segment_kernel: "segment", _topk_merge_kernel: "merge", _topk_short_kernel: "short",
+                 _topk_coop_kernel: "coop"}[kern]
+        tag = ",".join(f"{a}={consts[a]}" for a in ("K", "S", "CAP", "BLOCK", "C", "SPLIT", "BITS", "MODE")
+                       if a in consts)
+        coop = kern is _topk_coop_kernel
         specs.append({
             "name": f"dsa_topk_{short}[{tag},w={nw}]", "fn": kern,
-            "signature": dict(common_sig, **{n: "constexpr" for n in consts}),
-            "constexprs": consts, "divisible_by_16": div16, "num_warps": nw, "num_stages": 1,
+            "signature": dict(coop_sig if coop else common_sig, **{n: "constexpr" for n in consts}),
+            "constexprs": consts, "num_warps": nw, "num_stages": 1,
+            "divisible_by_16": ["logits_ptr", "out_ptr", "state_ptr", "part_ptr"] if coop else div16,
         })
+        if coop:
+            specs[-1]["launch_cooperative_grid"] = True
     return specs

@@ -127,6 +127,8 @@ def compile_spec(spec: dict, arch: int) -> dict:
     opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 1)}
     if spec.get("maxnreg"):  # the launch passes maxnreg= too
         opts["maxnreg"] = spec["maxnreg"]
+    if spec.get("launch_cooperative_grid"):  # a cooperative launch (the top-k's COOP select)
+        opts["launch_cooperative_grid"] = True
     t0 = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     meta = k.metadata

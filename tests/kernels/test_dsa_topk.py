@@ -723,3 +723,110 @@ def test_gpu_short_path_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+
+
+# ------------------------------------------------------------------------------------------------
+# Cooperative select (COOP): several programs per row, grid barriers between the radix passes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_coop_shape_rule():
+    """Programs per row: powers of two, at least 2, the grid within one CTA per SM, every program
+    at most COOP_MAX_BLOCK keys and (when programs are added) at least COOP_MIN_BLOCK; None where
+    every row fits k or the rows alone fill the SMs."""
+    assert T.coop_shape(2048, 2048, 1, 132) is None  # every row filled
+    assert T.coop_shape(2048, 32768, 132, 132) is None  # 1 program per row at most
+    assert T.coop_shape(2048, 1 << 20, 16, 132) is None  # 128 programs per row needed, 8 fit
+    for k, L, rows, sms in ((2048, 4096, 1, 132), (2048, 32768, 1, 132), (2048, 131072, 8, 132),
+                            (512, 9000, 3, 8), (2048, 65536, 16, 188), (2048, 8193, 1, 48)):
+        c, block = T.coop_shape(k, L, rows, sms)
+        assert c >= 2 and c & (c - 1) == 0 and block & (block - 1) == 0, (k, L, rows, sms, c, block)
+        assert rows * c <= sms and c * block >= L and block <= T.COOP_MAX_BLOCK
+        assert c == 2 or triton_cdiv(L, c) >= T.COOP_MIN_BLOCK
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("kind", ["randn", "quantized", "ties", "neg_inf", "spikes", "dups", "increasing"])
+def test_coop_exact_and_in_position_order(kind, seed):
+    """The cooperative select (interpreter: one launch per phase) against the reference: the same
+    positions in ascending order (the short kernel's output exactly), rows shorter than k filled,
+    ragged lengths, ties at the k-th value to the lowest positions; its state buffer is all zero
+    afterwards (the graph-safety invariant), also after a call with more rows."""
+    g = torch.Generator().manual_seed(seed)
+    for rows, n, k in ((3, 3000, 512), (2, 5000, 2048), (1, 2100, 2048)):
+        lg = _short_rows(kind, rows, n, g)
+        lens = torch.tensor([n, k - 3, n // 2 + 7][:rows], dtype=torch.int32)
+        assert T.coop_shape(k, n, rows, 8) is not None
+        out = torch.full((rows, k), -7, dtype=torch.int32, device=DEVICE)
+        T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, k, n, COOP=True)
+        ref = T.persistent_topk_reference(lg, lens, k)
+        assert torch.equal(out.cpu(), ref), f"rows={rows} n={n} k={k}: {_first_diff(out.cpu(), ref)}"
+        for buf in T._COOP_BUFS.values():
+            assert not buf.any(), "cooperative state left non-zero"
+
+
+def test_coop_off_by_default_and_refuses_nothing_it_cannot_do():
+    """COOP is an option (off until timed); where coop_shape says no, COOP=True takes the normal
+    path (same output)."""
+    assert T.topk_config(2048, 32768)["COOP"] is T.COOP
+    g = torch.Generator().manual_seed(3)
+    lg = torch.randn(9, 1500, generator=g)  # 9 rows x 2 programs > 8 SMs: no cooperative launch
+    lens = torch.full((9,), 1500, dtype=torch.int32)
+    assert T.coop_shape(512, 1500, 9, 8) is None
+    out = torch.full((9, 512), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 1500, COOP=True)
+    assert torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "ties", "increasing"])
+@pytest.mark.parametrize("width,rows", [(4096, 1), (4096, 16), (8192, 4), (32768, 1), (32768, 16), (131072, 8),
+                                        (300000, 2)])
+def test_gpu_coop_k2048(kind, width, rows):
+    """The cooperative select on the GPU (one cooperative launch, spin barriers): exact against the
+    reference, in ascending position order, ragged lengths (one row shorter than k), the state
+    zero afterwards; the same output as the default path (same set, and for rows the short
+    kernel takes, the same order)."""
+    g = torch.Generator().manual_seed(width + rows + len(kind))
+    lg = _short_rows(kind, rows, width, g).cuda()
+    lens = torch.randint(2049, width + 1, (rows,), generator=g, dtype=torch.int32)
+    lens[0] = width
+    if rows > 1:
+        lens[1] = 100
+    lens = lens.cuda()
+    assert T.coop_shape(2048, width, rows, T._num_sms(0)) is not None
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, width, COOP=True)
+    torch.cuda.synchronize()
+    ref = _ref_gpu(lg, lens, 2048)
+    assert torch.equal(out.cpu(), ref), _first_diff(out.cpu(), ref)
+    for buf in T._COOP_BUFS.values():
+        assert not buf.any()
+    base = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, base, None, 2048, width, COOP=False)
+    assert torch.equal(T.canonical(base), ref)
+
+
+@gpu
+@needs_gpu
+def test_gpu_coop_cuda_graph_capture():
+    """The cooperative launch captured in a CUDA graph and replayed on new logits and lengths
+    (the state buffer's zero invariant carries from replay to replay)."""
+    lg = torch.randn(4, 32768, device="cuda")
+    lens = torch.tensor([32768, 3000, 10, 20000], dtype=torch.int32, device="cuda")
+    out = torch.empty(4, 2048, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)
+    for i in range(3):
+        lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)
+        lens.copy_(torch.tensor([32768 - i, 4096, 2049 + i, 1], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), _ref_gpu(lg, lens, 2048))
