@@ -1010,7 +1010,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     cap, split = cfg["CAP"], cfg["SPLIT"]
     coop = coop_shape(k, max_seq_len, rows, sms) if cfg.get("COOP") else None
     if coop is not None:
-        return _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu)
+        return _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms)
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
@@ -1030,21 +1030,24 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
 
 
 # Per-(device, stream) zeroed state of the cooperative select (the row histograms and counters,
-# zero between calls: the last program of a row resets its own; then the per-program counts).
-# Calls on one stream are ordered; a grown buffer is kept (a captured graph may point at it).
+# then the per-program counts; all zero between calls: the last program of a row resets its own).
+# Calls on one stream are ordered. Sized once for any call coop_shape admits (rows x C <= SMs, C
+# >= 2: at most SMs / 2 rows; ~270 KB at 132 SMs), so it never grows inside a graph capture.
 _COOP_BUFS: dict = {}
-_RETIRED_COOP_BUFS: list = []
 
 
-def _coop_buffer(device: torch.device, n: int) -> torch.Tensor:
+def coop_buffer_words(num_sms: int) -> int:
+    """int32 words of the cooperative state that covers every call on a GPU of ``num_sms`` SMs."""
+    return (num_sms // 2) * _COOP_STATE + 2 * num_sms
+
+
+def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
     on_gpu = device.type == "cuda"
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
     key = (device.type, idx, torch.cuda.current_stream(idx).cuda_stream if on_gpu else 0)
     buf = _COOP_BUFS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED_COOP_BUFS.append(buf)
-        buf = torch.zeros(max(1 << 14, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+    if buf is None:
+        buf = torch.zeros(coop_buffer_words(num_sms), dtype=torch.int32, device=device)
         _COOP_BUFS[key] = buf
     return buf
 
@@ -1056,10 +1059,10 @@ def coop_launch(k: int, mode: int, cfg: dict, coop: tuple[int, int]) -> tuple:
             4 if block <= 2048 else 8)
 
 
-def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu):
+def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms):
     rows = out.shape[0]
     c, block = coop
-    buf = _coop_buffer(logits.device, rows * (_COOP_STATE + 2 * c))
+    buf = _coop_buffer(logits.device, num_sms)
     state, part = buf[:rows * _COOP_STATE], buf[rows * _COOP_STATE:rows * (_COOP_STATE + 2 * c)]
     kern, consts, nw = coop_launch(k, mode, cfg, coop)
     args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)

@@ -830,3 +830,16 @@ def test_gpu_coop_cuda_graph_capture():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), _ref_gpu(lg, lens, 2048))
+
+
+@pytest.mark.parametrize("sms", [8, 48, 132, 188])
+def test_coop_buffer_covers_every_admitted_call(sms):
+    """The cooperative state is allocated once per (device, stream) at coop_buffer_words: every
+    (rows, C) coop_shape admits fits it (so a graph capture never grows it)."""
+    need = 0
+    for rows in range(1, sms + 1):
+        for L in (2049, 4096, 8193, 32768, 131072, 1 << 20):
+            cs = T.coop_shape(2048, L, rows, sms)
+            if cs is not None:
+                need = max(need, rows * (T._COOP_STATE + 2 * cs[0]))
+    assert 0 < need <= T.coop_buffer_words(sms)
