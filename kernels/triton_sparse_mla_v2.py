@@ -1098,6 +1098,9 @@ def pick_config_v2(num_heads: int, cc_major: int, num_tokens: int = 1) -> dict:
     (two KEYS_M head blocks) it lost everywhere (172.8 against 145.1 us at T = 128)."""
     if cc_major == 9 and num_heads <= 8 and num_tokens >= KEYS_M_MIN_TOKENS:
         return dict(KEYS_M_CONFIGS[2], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
+    if (cc_major == 9 and 8 < num_heads <= 16 and KEYS_M_H16_MIN_TOKENS is not None
+            and num_tokens >= KEYS_M_H16_MIN_TOKENS):
+        return dict(KEYS_M_H16_CONFIGS[KEYS_M_H16_DISPATCH], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
     return v2_kernel_config(cc_major)
 
 
@@ -1225,6 +1228,8 @@ KEYS_M_CONFIGS = (
 # convert it twice). On sm_90 (Triton 3.6): 250 registers at BLOCK_N 32 / 4 warps (two CTAs per
 # SM), 231 at BLOCK_N 64 / 8 warps (one), no spills; shared memory 55,808 B (fp8_ds_mla, RING 1),
 # 76,800 B (RING 2), 111,616 B (BLOCK_N 64), 75,776 B (ROWS16), 57,344 B (ROWS8).
+KEYS_M_H16_MIN_TOKENS = None  # 9..16 heads on SM90 from this many rows (None: not dispatched, untimed)
+KEYS_M_H16_DISPATCH = 0  # the fp8_ds_mla entry of KEYS_M_H16_CONFIGS it dispatches
 KEYS_M_H16_CONFIGS = (
     {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},
     {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 2, "CTAS_PER_SM": 2},

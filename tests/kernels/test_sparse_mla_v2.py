@@ -167,8 +167,18 @@ def test_v2_dispatch_keys_m_rule_and_overrides():
         c = v2.pick_config_v2(h, 9, n)
         assert c["KEYS_M"] and c["BLOCK_H"] == 8 and c["BLOCK_N"] == 16 * c["NUM_WARPS"], c
         assert not v2.pick_config_v2(h, 9, n - 1).get("KEYS_M")
-    for h, cc, t in ((9, 9, 4096), (16, 9, 4096), (8, 12, 4096), (8, 8, 4096), (1, 12, 64)):
+    for h, cc, t in ((8, 12, 4096), (8, 8, 4096), (1, 12, 64), (16, 12, 4096), (16, 8, 4096)):
         assert not v2.pick_config_v2(h, cc, t).get("KEYS_M"), (h, cc, t)
+    # 9..16 heads on SM90: the 16-head KEYS_M (WARPS_H 2) from KEYS_M_H16_MIN_TOKENS rows, if dispatched
+    n16 = v2.KEYS_M_H16_MIN_TOKENS
+    for h in (9, 16):
+        c = v2.pick_config_v2(h, 9, 4096)
+        if n16 is None:
+            assert not c.get("KEYS_M"), c
+        else:
+            assert c["KEYS_M"] and c["BLOCK_H"] == 16 and c["WARPS_H"] == 2, c
+            assert {k: c[k] for k in v2.KEYS_M_H16_CONFIGS[0]} in [dict(x) for x in v2.KEYS_M_H16_CONFIGS]
+            assert not v2.pick_config_v2(h, 9, n16 - 1).get("KEYS_M")
     c = v2.resolve_config_v2(8, 9, 64, {"BLOCK_N": 16, "NUM_WARPS": 4})
     assert not c.get("KEYS_M") and c["BLOCK_H"] == 16 and c["BLOCK_N"] == 16
     c = v2.resolve_config_v2(8, 9, 64, {"KEYS_M": True, "RING": 2})
@@ -195,13 +205,15 @@ def test_v2_specs_cover_every_dispatch_config():
                 c = v2.pick_config_v2(h, cc, t)
                 for dt in ("bfloat16", "float16"):
                     for split in ("0]", "1,merge=separate]", "1,merge=fused]"):
+                        wh = c.get("WARPS_H", 1)
                         n = (f"sparse_mla_v2{'_km' if c.get('KEYS_M') else ''}[{dt},BH={c['BLOCK_H']},"
-                             f"BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
+                             f"BN={c['BLOCK_N']},w={c['NUM_WARPS']}{f',wh={wh}' if wh > 1 else ''},"
                              f"qa={c['QK_ACCS']},dq={c.get('DQ_VEC', 16)},sw={int(c.get('S_SWIZZLE', False))},"
                              f"ring={c.get('RING', 2)},qreg={c.get('Q_REGS', 0)},split={split}")
                         assert n in names, n
                 if c.get("KEYS_M"):
-                    assert cc == 9 and {k: c[k] for k in km[0]} in km, c
+                    table = km if c.get("WARPS_H", 1) == 1 else [dict(x) for x in v2.KEYS_M_H16_CONFIGS]
+                    assert cc == 9 and {k: c[k] for k in table[0]} in table, c
                 else:
                     assert v2.shared_bytes_v2(c["BLOCK_N"]) <= v2.SM120_SHARED_LIMIT
                 # 16-bit and fp8 rows: SM90's ROWS16 / ROWS8 configs (compiled by
