@@ -76,7 +76,7 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
 
 
 def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int, splits=(),
-            configs: dict | None = None) -> dict:
+            configs: dict | None = None, merge_variants: bool = True) -> dict:
     import torch
 
     import sparse_mla_v2_gpu as sb
@@ -105,7 +105,7 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
         rec["call_us"] = common.time_graph([(lambda s=s: call(s)) for s in sets], rep_ms=30, warmup_ms=10)
         it = iter(range(10 ** 9))
         rec["kernels"] = kernel_times(lambda: call(sets[next(it) % n_sets]), calls)
-        if p.num_splits > 1 and not p.fused:
+        if p.num_splits > 1 and not p.fused and merge_variants:
             n = T * H * p.num_splits
             rec["merge_bytes"] = n * (512 + 1) * 4 + T * H * (512 * 2 + 4)
             rec["merge_floor_us"] = rec["merge_bytes"] / copy_bw * 1e6
@@ -176,6 +176,8 @@ def main(argv=None) -> int:
                                                  "counts (comma-separated), as forced_splits_us")
     ap.add_argument("--configs", default="", help="JSON object name -> config override: also time the whole "
                                                   "call under each (as configs)")
+    ap.add_argument("--dispatch-only", action="store_true",
+                    help="only the dispatch's merge, without the merge tile variants (with --configs: the configs' timings)")
     ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "v2_kernel_split_h100.json"))
     args = ap.parse_args(argv)
     import torch
@@ -207,12 +209,13 @@ def main(argv=None) -> int:
 
     for H, T in parse_shapes(args.shapes):
         d = measure(H, T, None, pool, copy_bw, args.calls,
-                    splits=[int(x) for x in args.splits.split(",") if x.strip()], configs=configs)
+                    splits=[int(x) for x in args.splits.split(",") if x.strip()], configs=configs,
+                    merge_variants=not args.dispatch_only)
         report(d)
         # the other merge (the fused one only up to 16 splits: past that the last arriver's
         # serial merge takes 100+ us)
         other = "separate" if d["fused"] else "fused" if 1 < d["num_splits"] <= 16 else None
-        if other is not None:
+        if other is not None and not args.dispatch_only:
             report(measure(H, T, other, pool, copy_bw, args.calls))
     res.finish()
     return 0
