@@ -1008,13 +1008,13 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     major = _arch_major(logits.device.index or 0) if on_gpu else 0
     cfg, num_warps, merge_warps = call_config(k, max_seq_len, rows, sms, major, overrides)
     cap, split = cfg["CAP"], cfg["SPLIT"]
+    if cfg["SHORT"] and max_seq_len > SHORT_MAX:
+        raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
+                         f"{max_seq_len}")
     # COOP unless the caller asked for the radix path (SHORT=False: A/B runs and tests)
     coop = coop_shape(k, max_seq_len, rows, sms) if cfg.get("COOP") and overrides.get("SHORT") is not False else None
     if coop is not None:
         return _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms)
-    if cfg["SHORT"] and max_seq_len > SHORT_MAX:
-        raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
-                         f"{max_seq_len}")
     lay = _scratch_layout(rows, k, cap, split)
     if cfg["SHORT"]:  # no scratch (the kernel takes the same pointer arguments and ignores them)
         bufs = [out] * (len(lay) - 1)
