@@ -65,6 +65,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -1013,8 +1014,9 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
                          f"{max_seq_len}")
     # COOP unless the caller asked for the radix path (SHORT=False: A/B runs and tests)
     coop = coop_shape(k, max_seq_len, rows, sms) if cfg.get("COOP") and overrides.get("SHORT") is not False else None
-    if coop is not None:
-        return _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms)
+    if coop is not None and (logits.device.index or 0, rows * coop[0]) not in _COOP_REFUSED:
+        if _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms):
+            return out
     lay = _scratch_layout(rows, k, cap, split)
     if cfg["SHORT"]:  # no scratch (the kernel takes the same pointer arguments and ignores them)
         bufs = [out] * (len(lay) - 1)
@@ -1060,7 +1062,14 @@ def coop_launch(k: int, mode: int, cfg: dict, coop: tuple[int, int]) -> tuple:
             4 if block <= 2048 else 8)
 
 
-def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms):
+# (device index, grid size) of cooperative launches the driver refused (e.g. fewer SMs usable than
+# the device has, under MPS limits or green contexts): those calls take the other path from then on.
+_COOP_REFUSED: set = set()
+
+
+def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> bool:
+    """Run the cooperative select; False (nothing launched) where the driver refused the
+    cooperative launch (then the caller takes the other path; warned once per grid size)."""
     rows = out.shape[0]
     c, block = coop
     buf = _coop_buffer(logits.device, num_sms)
@@ -1068,12 +1077,20 @@ def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms)
     kern, consts, nw = coop_launch(k, mode, cfg, coop)
     args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)
     if on_gpu:  # one launch, every phase; the cooperative launch guarantees co-residency (or fails)
-        kern[(rows, c)](*args, 0, _COOP_PHASES, **consts, num_warps=nw, launch_cooperative_grid=True)
+        try:
+            kern[(rows, c)](*args, 0, _COOP_PHASES, **consts, num_warps=nw, launch_cooperative_grid=True)
+        except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: not launched, not sticky
+            if "cooperative" not in str(e).lower():
+                raise
+            _COOP_REFUSED.add((logits.device.index or 0, rows * c))
+            warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * c} CTAs ({e}); "
+                          "calls of this size take the segment / short path", RuntimeWarning, stacklevel=3)
+            return False
     else:  # the interpreter runs programs one after another: one launch per phase, no spinning
         consts["SPIN"] = False
         for ph in range(_COOP_PHASES):
             kern[(rows, c)](*args, ph, ph + 1, **consts, num_warps=nw)
-    return out
+    return True
 
 
 def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int, merge_warps: int):

@@ -843,3 +843,43 @@ def test_coop_buffer_covers_every_admitted_call(sms):
             if cs is not None:
                 need = max(need, rows * (T._COOP_STATE + 2 * cs[0]))
     assert 0 < need <= T.coop_buffer_words(sms)
+
+
+def test_coop_refused_launch_takes_the_other_path(monkeypatch):
+    """A cooperative launch the driver refuses (too large for the SMs it can use) is not an error
+    for the caller: a warning, False (nothing launched), and that grid size is remembered, so the
+    call and later ones take the other path (same output); other launch errors propagate."""
+    g = torch.Generator().manual_seed(5)
+    lg = torch.randn(2, 3000, generator=g)
+    lens = torch.tensor([3000, 2500], dtype=torch.int32)
+    calls = []
+
+    class Refusing:
+        def __init__(self, msg):
+            self.msg = msg
+
+        def __getitem__(self, grid):
+            def run(*a, **k):
+                calls.append(grid)
+                raise RuntimeError(self.msg)
+            return run
+
+    monkeypatch.setattr(T, "_COOP_REFUSED", set())
+    real = T._topk_coop_kernel
+    monkeypatch.setattr(T, "_topk_coop_kernel", Refusing("Triton Error [CUDA]: too many blocks in cooperative launch"))
+    out = torch.full((2, 512), -7, dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match="cooperative"):  # on_gpu=True: the cooperative launch
+        assert not T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024),
+                                  True, 8)
+    assert calls == [(2, 4)] and T._COOP_REFUSED == {(0, 8)} and torch.all(out == -7)
+    monkeypatch.setattr(T, "_topk_coop_kernel", Refusing("Triton Error [CUDA]: an illegal memory access"))
+    with pytest.raises(RuntimeError, match="illegal"):
+        T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024), True, 8)
+    # a refused size: the entry takes the other path without trying the cooperative launch again
+    monkeypatch.setattr(T, "_topk_coop_kernel", real)
+    c, _ = T.coop_shape(512, 3000, 2, 8)
+    monkeypatch.setattr(T, "_COOP_REFUSED", {(0, 2 * c)})
+    monkeypatch.setattr(T, "_launch_coop", lambda *a, **k: pytest.fail("a refused size was launched again"))
+    out = torch.full((2, 512), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 3000, COOP=True)
+    assert torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
