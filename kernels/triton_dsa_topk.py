@@ -720,7 +720,7 @@ def _topk_coop_kernel(
     rs, L = _row_range(a_ptr, b_ptr, row, next_n, MODE)
     out = out_ptr + row * stride_o
     if L <= K:
-        if (c == 0) & (phase_hi == 6):
+        if (c == 0) & (phase_hi == 6):  # in the last phase's launch (phases: _COOP_PHASES = 6)
             fo = tl.arange(0, KFILL)
             for f0 in range(0, K, KFILL):
                 i = f0 + fo
@@ -763,7 +763,7 @@ def _topk_coop_kernel(
             tl.store(pc + 2 * c + 1, tl.sum(win.to(tl.int32), 0))
             nbar += 1
             _coop_sync(ctr, nbar * C, SPIN)
-        if phase_hi == 6:  # place the selection, then the last program out resets the row's state
+        if phase_hi == 6:  # (last phase) place the selection, then the last program out resets the row's state
             cs = tl.arange(0, C)
             pa = tl.load(pc + 2 * cs, cache_modifier=".cg")
             pw = tl.load(pc + 2 * cs + 1, cache_modifier=".cg")
