@@ -52,7 +52,7 @@ def parse_shape(s: str) -> DI.Shape:
 def plan_of(T, sh, over):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     cfg, nw, mw = T.call_config(DI.K_TOP, sh.mml, sh.rows, nsm, torch.cuda.get_device_capability(0)[0], over)
-    coop = T.coop_shape(DI.K_TOP, sh.mml, sh.rows, nsm) if cfg.get("COOP") and (over or {}).get("SHORT") is not False else None
+    coop = T.call_coop(cfg, DI.K_TOP, sh.mml, sh.rows, nsm)
     if coop is not None:  # one cooperative launch, grid (rows, C)
         kern, consts, w = T.coop_launch(DI.K_TOP, T._MODE_ROW_LENGTHS, cfg, coop)
         return [{"kernel": kern.fn.__name__, "grid": [sh.rows, coop[0]], "num_warps": w, "constexprs": consts}]

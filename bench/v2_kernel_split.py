@@ -149,10 +149,9 @@ def measure(H: int, T: int, merge: str | None, pool, copy_bw: float, calls: int,
             ref = call(sets[0])[0].float()
             res = {}
             for name, c in configs.items():
-                sb = v2.shared_bytes_v2(c.get("BLOCK_N", 32), ring=c.get("RING", 2), keys_m=bool(c.get("KEYS_M")),
-                                        warps_h=c.get("WARPS_H", 1))
-                if sb > optin:
-                    res[name] = {"skipped": f"{sb} B of shared memory > {optin}"}
+                smem = v2.config_shared_bytes(v2.resolve_config_v2(H, cc, T, c))
+                if smem > optin:
+                    res[name] = {"skipped": f"{smem} B of shared memory > {optin}"}
                     continue
 
                 def ccall(s, c=c):

@@ -977,15 +977,23 @@ def call_config(k: int, max_seq_len: int, rows: int, num_sms: int, arch_major: i
                 overrides: dict | None = None) -> tuple[dict, int, int]:
     """One call's launch configuration: the dispatch's (``topk_config``) with the caller's keyword
     overrides applied (``SEG_MIN`` and ``BITS`` go into ``topk_config``; ``SHORT=False`` also turns
-    ``SHORT_SELECT`` off: the radix path throughout, for A/B runs). Returns (cfg, num_warps,
-    merge_warps); ``cfg`` is what ``_launch_plan`` takes."""
+    ``SHORT_SELECT`` and ``COOP`` off: the radix path throughout, for A/B runs). Returns (cfg,
+    num_warps, merge_warps); ``cfg`` is what ``_launch_plan`` and ``call_coop`` take."""
     over = dict(overrides or {})
     cfg = topk_config(k, max_seq_len, rows, num_sms, seg_min=over.pop("SEG_MIN", SEG_MIN),
                       bits=over.pop("BITS", RADIX_BITS), arch_major=arch_major)
     cfg.update(over)
-    if over.get("SHORT") is False and "SHORT_SELECT" not in over:
-        cfg["SHORT_SELECT"] = False
+    if over.get("SHORT") is False:
+        cfg["COOP"] = False
+        if "SHORT_SELECT" not in over:
+            cfg["SHORT_SELECT"] = False
     return cfg, cfg.pop("num_warps"), cfg.pop("merge_warps")
+
+
+def call_coop(cfg: dict, k: int, max_seq_len: int, rows: int, num_sms: int) -> tuple[int, int] | None:
+    """(C, BLOCK) of the cooperative select a call of config ``cfg`` runs, or None (the launch,
+    the compile specs and the benchmark's plan all decide here)."""
+    return coop_shape(k, max_seq_len, rows, num_sms) if cfg.get("COOP") else None
 
 
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
@@ -1012,8 +1020,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
-    # COOP unless the caller asked for the radix path (SHORT=False: A/B runs and tests)
-    coop = coop_shape(k, max_seq_len, rows, sms) if cfg.get("COOP") and overrides.get("SHORT") is not False else None
+    coop = call_coop(cfg, k, max_seq_len, rows, sms)
     if coop is not None and (logits.device.index or 0, rows * coop[0]) not in _COOP_REFUSED:
         if _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms):
             return out
@@ -1276,7 +1283,7 @@ def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, 
                 for n in sms:
                     cfg = topk_config(k, L, r, n, arch_major=arch_major)
                     nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
-                    coop = coop_shape(k, L, r, n) if cfg["COOP"] else None
+                    coop = call_coop(cfg, k, L, r, n)
                     plan = ([coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop)] if coop is not None
                             else _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw))
                     for kern, consts, w in plan:

@@ -1277,6 +1277,13 @@ def shared_bytes_v2(block_n: int, elem: int = 2, block_h: int = 16, ring: int = 
             + block_h * block_n * 4)
 
 
+def config_shared_bytes(cfg: dict) -> int:
+    """``shared_bytes_v2`` of a (resolved) config: its kernel, row format, ring and WARPS_H."""
+    return shared_bytes_v2(cfg["BLOCK_N"], ring=cfg.get("RING", 2), keys_m=bool(cfg.get("KEYS_M")),
+                           rows16=bool(cfg.get("ROWS16")), rows8=bool(cfg.get("ROWS8")),
+                           warps_h=int(cfg.get("WARPS_H", 1)))
+
+
 def v2_unsupported_reason(q: torch.Tensor, kv_format: str, num_heads: int | None = None, *,
                           kv_cache: torch.Tensor | None = None, config: dict | None = None) -> str | None:
     """``None`` when the v2 kernel handles this call, else why it goes to v1 (the fallback). With

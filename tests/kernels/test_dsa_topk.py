@@ -742,11 +742,7 @@ def test_coop_shape_rule():
         c, block = T.coop_shape(k, L, rows, sms)
         assert c >= 2 and c & (c - 1) == 0 and block & (block - 1) == 0, (k, L, rows, sms, c, block)
         assert rows * c <= sms and c * block >= L and block <= T.COOP_MAX_BLOCK
-        assert c == 2 or triton_cdiv(L, c) >= T.COOP_MIN_BLOCK
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
+        assert c == 2 or T.triton.cdiv(L, c) >= T.COOP_MIN_BLOCK
 
 
 @pytest.mark.parametrize("kind", ["randn", "quantized", "ties", "neg_inf", "spikes", "dups", "increasing"])

@@ -758,8 +758,7 @@ def test_gpu_v2_keys_m_h16(cfg, seed):
     3, 1) over its row format: fp8_ds_mla (also a 4-d view), ROWS16 (bf16 / fp16 rows), ROWS8
     (e4m3 rows, the scale as a device tensor)."""
     c = dict(v2.KEYS_M_H16_CONFIGS[cfg])
-    shared = v2.shared_bytes_v2(c["BLOCK_N"], ring=c.get("RING", 2), keys_m=True, rows16=bool(c.get("ROWS16")),
-                                rows8=bool(c.get("ROWS8")), warps_h=2)
+    shared = v2.config_shared_bytes(c)
     if c.get("ROWS16"):
         _gpu_keys_m_cases(c, shared, lambda nb, bs, dt: (torch.randn((nb, bs, 576), device="cuda") * 0.5).to(dt),
                           lambda dt: "bfloat16" if dt == torch.bfloat16 else "float16")
