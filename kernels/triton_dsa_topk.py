@@ -817,11 +817,12 @@ BISECT_BITS = 2
 MERGE_REGS = False
 # Long rows: the merge kernel resolves the window with the short rows' register bisection
 # (``_bisect_store`` on the window's keys relative to its low end) instead of the radix select's
-# shared-memory histograms. Same output, order included (tested). Off until timed: the merge is
-# 12-16 us of the 21-46 us top-k at 32k-128k on an H100, latency-bound on one CTA per row
-# (docs/notes/dsa_indexer.md). SM90 first: there its merges compile with 0-8 B of stack (the radix
-# resolve's 8-24 B); on sm_120 with Triton 3.6 the split merges (8-bit digits) need 32 B.
-MERGE_BISECT = False
+# shared-memory histograms. Same output, order included (tested). On an H100 (2026-12-07,
+# bench/results/topk_sweep3_h100.json) it took the top-k from 22.0 / 25.5 / 31.0 to 19.6 / 22.6 /
+# 26.5 us at 32k T = 1 / 16 / 32 and from 31.2 to 28.1 at 128k T = 1 (the merge kernel 13.0 ->
+# 10.7, 15.8 -> 11.3 us). Not on SM12x (``topk_config``): there, with Triton 3.6, the split merges
+# (8-bit digits) need a 32 B stack frame with it.
+MERGE_BISECT = True
 # The pivot window's two sample order statistics: leading bits resolved (``SAMPLE_BITS``; hi is
 # rounded up and lo down past them, so fewer bits only widen the window) and whether one
 # histogram per pass serves both ranks while they share their digits (``SAMPLE_JOINT``).
@@ -830,14 +831,19 @@ MERGE_BISECT = False
 # and from 54.8 to 45.7 us at 128k T = 16 (20 bits joint: 27.9 / 25.1 / 34.9 / 48.9), same output.
 SAMPLE_BITS = 16
 SAMPLE_JOINT = True
-# Calls with too few rows to fill the GPU: the cooperative select (``_topk_coop_kernel``, one
-# cooperative launch, C programs per row meeting at grid barriers) instead of the short kernel's
-# one program per row or the segment + merge launches. Off until timed against them on the GPU.
-COOP = False
-# Keys per program of the cooperative select: at most COOP_MAX_BLOCK (32 registers of keys per
+# Calls with too few rows to fill the GPU and rows longer than SHORT_MAX: the cooperative select
+# (``_topk_coop_kernel``, one cooperative launch, C programs per row meeting at grid barriers)
+# instead of the segment + merge launches. On an H100 (2026-12-07, topk_sweep3_h100.json; the
+# default then without MERGE_BISECT): 32k T = 1 / 16 13.3 / 19.8 us against 22.0 / 25.5 (merge
+# bisection 19.6 / 22.6), 128k T = 1 15.0 against 31.2; it lost where each program held 8192 keys
+# (32k T = 32: 37.2 against 31.0 / 26.5) and against the one-launch short kernel on 4k rows (10.0 /
+# 13.2 / 13.3 against 7.4 / 8.6 / 9.7 us at T = 1 / 16 / 32), so it takes at most COOP_MAX_BLOCK
+# keys per program and only rows the short kernel cannot.
+COOP = True
+# Keys per program of the cooperative select: at most COOP_MAX_BLOCK (16 registers of keys per
 # thread at 8 warps), programs added (powers of two, while the grid stays within one CTA per SM)
 # down to COOP_MIN_BLOCK.
-COOP_MAX_BLOCK = 8192
+COOP_MAX_BLOCK = 4096
 COOP_MIN_BLOCK = 1024
 
 
@@ -905,12 +911,12 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 MERGE_BITS=merge_bits,
                 KFILL=min(1024, triton.next_power_of_2(k)), num_warps=16 if big else 8, merge_warps=16,
                 SHORT=max_seq_len <= SHORT_MAX, SHORT_BLOCK=short_block, SHORT_SELECT=True, BISECT_BITS=BISECT_BITS,
-                MERGE_REGS=MERGE_REGS, MERGE_BISECT=MERGE_BISECT, SAMPLE_BITS=SAMPLE_BITS,
+                MERGE_REGS=MERGE_REGS, MERGE_BISECT=MERGE_BISECT and arch_major != 12, SAMPLE_BITS=SAMPLE_BITS,
                 # the joint select holds both ranks' histograms: with the 8192-key sample (rows >
                 # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
                 # there (92 registers, none)
                 SAMPLE_JOINT=SAMPLE_JOINT and s <= 4096,
-                short_warps=min(8, max(4, short_block // 512)), COOP=COOP)
+                short_warps=min(8, max(4, short_block // 512)), COOP=COOP and max_seq_len > SHORT_MAX)
 
 
 def merge_segcap(cap: int, split: int) -> int:
@@ -1051,12 +1057,18 @@ def coop_buffer_words(num_sms: int) -> int:
     return (num_sms // 2) * _COOP_STATE + 2 * num_sms
 
 
-def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
+def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor | None:
+    """The stream's zeroed state, or None when it does not exist yet and the stream is capturing a
+    CUDA graph: a zeroing captured there would only run at replay, and an eager call on that
+    stream before it would find garbage in the barrier counters (the caller takes the other path;
+    vLLM's warm-up runs before each capture create it)."""
     on_gpu = device.type == "cuda"
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
     key = (device.type, idx, torch.cuda.current_stream(idx).cuda_stream if on_gpu else 0)
     buf = _COOP_BUFS.get(key)
     if buf is None:
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            return None
         buf = torch.zeros(coop_buffer_words(num_sms), dtype=torch.int32, device=device)
         _COOP_BUFS[key] = buf
     return buf
@@ -1076,10 +1088,13 @@ _COOP_REFUSED: set = set()
 
 def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> bool:
     """Run the cooperative select; False (nothing launched) where the driver refused the
-    cooperative launch (then the caller takes the other path; warned once per grid size)."""
+    cooperative launch (then the caller takes the other path; warned once per grid size) or the
+    stream is capturing a graph before its state exists."""
     rows = out.shape[0]
     c, block = coop
     buf = _coop_buffer(logits.device, num_sms)
+    if buf is None:  # first call on a capturing stream: the other path (see _coop_buffer)
+        return False
     state, part = buf[:rows * _COOP_STATE], buf[rows * _COOP_STATE:rows * (_COOP_STATE + 2 * c)]
     kern, consts, nw = coop_launch(k, mode, cfg, coop)
     args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)

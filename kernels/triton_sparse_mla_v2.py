@@ -1228,7 +1228,11 @@ KEYS_M_CONFIGS = (
 # convert it twice). On sm_90 (Triton 3.6): 250 registers at BLOCK_N 32 / 4 warps (two CTAs per
 # SM), 231 at BLOCK_N 64 / 8 warps (one), no spills; shared memory 55,808 B (fp8_ds_mla, RING 1),
 # 76,800 B (RING 2), 111,616 B (BLOCK_N 64), 75,776 B (ROWS16), 57,344 B (ROWS8).
-KEYS_M_H16_MIN_TOKENS = None  # 9..16 heads on SM90 from this many rows (None: not dispatched, untimed)
+# GPU-tested; timed on an H100 (2026-12-07, bench/results/v2_keys_m_h16_h100.json, whole calls at
+# H = 16, QK_ACCS 1): BLOCK_N 32 / RING 1 116.5 / 65.7 / 38.9 / 15.5 us at T = 128 / 64 / 32 / 4
+# against the dispatch's 116.9 / 65.2 / 37.4 / 13.4 (RING 2 and BLOCK_N 64 slower): a tie at
+# best, so not dispatched.
+KEYS_M_H16_MIN_TOKENS = None  # 9..16 heads on SM90 from this many rows (None: not dispatched)
 KEYS_M_H16_DISPATCH = 0  # the fp8_ds_mla entry of KEYS_M_H16_CONFIGS it dispatches
 KEYS_M_H16_CONFIGS = (
     {"KEYS_M": True, "BLOCK_H": 16, "WARPS_H": 2, "BLOCK_N": 32, "NUM_WARPS": 4, "RING": 1, "CTAS_PER_SM": 2},

@@ -736,9 +736,10 @@ def test_coop_shape_rule():
     every row fits k or the rows alone fill the SMs."""
     assert T.coop_shape(2048, 2048, 1, 132) is None  # every row filled
     assert T.coop_shape(2048, 32768, 132, 132) is None  # 1 program per row at most
-    assert T.coop_shape(2048, 1 << 20, 16, 132) is None  # 128 programs per row needed, 8 fit
-    for k, L, rows, sms in ((2048, 4096, 1, 132), (2048, 32768, 1, 132), (2048, 131072, 8, 132),
-                            (512, 9000, 3, 8), (2048, 65536, 16, 188), (2048, 8193, 1, 48)):
+    assert T.coop_shape(2048, 1 << 20, 16, 132) is None  # 256 programs per row needed, 8 fit
+    assert T.coop_shape(2048, 32768, 32, 132) is None  # 8 programs per row needed, 4 fit
+    for k, L, rows, sms in ((2048, 4096, 1, 132), (2048, 32768, 1, 132), (2048, 131072, 4, 132), (2048, 32768, 16, 132),
+                            (512, 9000, 2, 8), (2048, 65536, 8, 188), (2048, 8193, 1, 48)):
         c, block = T.coop_shape(k, L, rows, sms)
         assert c >= 2 and c & (c - 1) == 0 and block & (block - 1) == 0, (k, L, rows, sms, c, block)
         assert rows * c <= sms and c * block >= L and block <= T.COOP_MAX_BLOCK
@@ -764,10 +765,15 @@ def test_coop_exact_and_in_position_order(kind, seed):
             assert not buf.any(), "cooperative state left non-zero"
 
 
-def test_coop_off_by_default_and_refuses_nothing_it_cannot_do():
-    """COOP is an option (off until timed); where coop_shape says no, COOP=True takes the normal
-    path (same output)."""
+def test_coop_dispatch_and_refuses_nothing_it_cannot_do():
+    """COOP is the dispatch's choice only for rows the short kernel cannot take (> SHORT_MAX; it
+    beat the cooperative select on 4k rows); merge bisection everywhere but SM12x. Where
+    coop_shape says no, COOP=True takes the normal path (same output)."""
     assert T.topk_config(2048, 32768)["COOP"] is T.COOP
+    assert T.topk_config(2048, T.SHORT_MAX)["COOP"] is False
+    assert T.topk_config(2048, 32768, arch_major=9)["MERGE_BISECT"] is T.MERGE_BISECT
+    assert T.topk_config(2048, 32768, arch_major=12)["MERGE_BISECT"] is False
+    assert T.call_config(2048, 32768, 1, 132, 9, {"SHORT": False})[0]["COOP"] is False
     g = torch.Generator().manual_seed(3)
     lg = torch.randn(9, 1500, generator=g)  # 9 rows x 2 programs > 8 SMs: no cooperative launch
     lens = torch.full((9,), 1500, dtype=torch.int32)
@@ -780,8 +786,8 @@ def test_coop_off_by_default_and_refuses_nothing_it_cannot_do():
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("kind", ["randn", "quantized", "neg_inf", "ties", "increasing"])
-@pytest.mark.parametrize("width,rows", [(4096, 1), (4096, 16), (8192, 4), (32768, 1), (32768, 16), (131072, 8),
-                                        (300000, 2)])
+@pytest.mark.parametrize("width,rows", [(4096, 1), (4096, 16), (8192, 4), (32768, 1), (32768, 16), (131072, 4),
+                                        (300000, 1)])
 def test_gpu_coop_k2048(kind, width, rows):
     """The cooperative select on the GPU (one cooperative launch, spin barriers): exact against the
     reference, in ascending position order, ragged lengths (one row shorter than k), the state
@@ -810,22 +816,33 @@ def test_gpu_coop_k2048(kind, width, rows):
 @gpu
 @needs_gpu
 def test_gpu_coop_cuda_graph_capture():
-    """The cooperative launch captured in a CUDA graph and replayed on new logits and lengths
-    (the state buffer's zero invariant carries from replay to replay)."""
+    """The cooperative launch captured in a CUDA graph as vLLM captures (warm-up on the capture
+    stream, which creates that stream's state, then the capture on it) and replayed on new logits
+    and lengths (the state buffer's zero invariant carries from replay to replay). A capture on a
+    stream with no state yet takes the segment path (no zeroing that only a replay would run)."""
     lg = torch.randn(4, 32768, device="cuda")
     lens = torch.tensor([32768, 3000, 10, 20000], dtype=torch.int32, device="cuda")
     out = torch.empty(4, 2048, dtype=torch.int32, device="cuda")
-    T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)
-    for i in range(3):
-        lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)
-        lens.copy_(torch.tensor([32768 - i, 4096, 2049 + i, 1], dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.cpu(), _ref_gpu(lg, lens, 2048))
+    for warm in (True, False):
+        s = torch.cuda.Stream()
+        key = ("cuda", torch.cuda.current_device(), s.cuda_stream)
+        with torch.cuda.stream(s):
+            if warm:
+                T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)  # compile, create the state
+            s.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                T.persistent_topk(lg, lens, out, None, 2048, 32768, COOP=True)
+        assert (key in T._COOP_BUFS) is warm
+        for i in range(3):
+            lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)
+            lens.copy_(torch.tensor([32768 - i, 4096, 2049 + i, 1], dtype=torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = out.cpu() if warm else T.canonical(out).cpu()  # the segment path: same set
+            assert torch.equal(got, _ref_gpu(lg, lens, 2048)), f"warm-up {warm}, replay {i}"
+        if warm:
+            assert not T._COOP_BUFS[key].any()
 
 
 @pytest.mark.parametrize("sms", [8, 48, 132, 188])
