@@ -1304,6 +1304,20 @@ def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, 
                     for kern, consts, w in plan:
                         consts = {a: v for a, v in consts.items() if a != "MODE"}
                         seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+        # The cooperative select's C and BLOCK follow rows x L more finely than the grid above: every
+        # (C, BLOCK) it can take, from rows 1 .. SMs / 2 and row lengths at each power of two (its
+        # boundaries) and just past it.
+        lens = sorted({L for j in range(1, 23) for L in (1 << j, (1 << j) + 1)} | set(max_seq_lens))
+        for n in sms:
+            for r in range(1, n // 2 + 1):
+                for L in lens:
+                    cfg = topk_config(k, L, r, n, arch_major=arch_major)
+                    coop = call_coop(cfg, k, L, r, n)
+                    if coop is None:
+                        continue
+                    kern, consts, w = coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop)
+                    consts = {a: v for a, v in consts.items() if a != "MODE"}
+                    seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
     return sorted(seen.values(), key=lambda t: (t[0].__name__, sorted(t[1].items()), t[2]))
 
 

@@ -32,19 +32,29 @@ def test_topk_specs_cover_every_launch():
         params = {a for a, t in s["signature"].items() if t == "constexpr"}
         assert params == set(s["constexprs"]), s["name"]
         assert params == {a for a in s["fn"].arg_names if a in params}  # names the kernel has
-    assert modes == {"_topk_segment_kernel": {0, 1, 2}, "_topk_merge_kernel": {0, 1, 2}, "_topk_short_kernel": {0, 1, 2}}
+    want = {"_topk_segment_kernel": {0, 1, 2}, "_topk_merge_kernel": {0, 1, 2}, "_topk_short_kernel": {0, 1, 2}}
+    if T.COOP:  # the cooperative select, where the dispatch picks it
+        want["_topk_coop_kernel"] = {0, 1, 2}
+    assert modes == want
     rng = random.Random(0)
+    coops = 0
     for _ in range(3000):  # inputs between (and beyond) the enumeration's grid points
         k = rng.choice(T.SPEC_K)
         L = rng.choice([rng.randint(1, 1 << 21), rng.randint(1, 70000), rng.randint(4000, 9000)])
-        rows = rng.randint(1, 70000)
+        rows = rng.choice([rng.randint(1, 70000), rng.randint(1, 100)])
         sms = rng.choice(T.SPEC_SMS)
         cfg = T.topk_config(k, L, rows, sms, arch_major=12)
         nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
-        for mode in (0, 1, 2):
-            for kern, consts, w in T._launch_plan(cfg, k, mode, L, nw, mw):
+        coop = T.call_coop(cfg, k, L, rows, sms)
+        coops += coop is not None
+        for mode in (0, 1, 2):  # the cooperative launch, and the plan a refused one falls back to
+            plan = T._launch_plan(cfg, k, mode, L, nw, mw)
+            if coop is not None:
+                plan = [T.coop_launch(k, mode, cfg, coop)] + plan
+            for kern, consts, w in plan:
                 key = (kern.__name__, _key(consts, ("MODE",)), w)
                 assert key in have, f"launch not among the SM120 specs: k={k} L={L} rows={rows} sms={sms}: {key}"
+    assert coops > 0 or not T.COOP
 
 
 def test_topk_specs_grow_with_the_dispatch():
