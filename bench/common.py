@@ -222,7 +222,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def time_graph(fns, rep_ms: int = 60, warmup_ms: int = 20) -> float:
     """Median microseconds per call of a CUDA graph that runs every fn in ``fns`` once (warmed
-    up eagerly on a side stream first: compiles and lazy metadata happen outside the capture)."""
+    up eagerly on a side stream first, then captured on that stream, as vLLM captures: compiles,
+    lazy metadata and per-stream state happen outside the capture)."""
     import torch
     import triton
 
@@ -234,7 +235,7 @@ def time_graph(fns, rep_ms: int = 60, warmup_ms: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):
         for f in fns:
             f()
     g.replay()
@@ -298,10 +299,13 @@ def time_graph_steps(step, n_iter: int, target_ms: float | None = None, rounds: 
 
     target_ms = TIMING["target_ms"] if target_ms is None else target_ms
     rounds = TIMING["rounds"] if rounds is None else rounds
-    step(0)
+    s = torch.cuda.Stream()  # warm-up and capture on one stream, as vLLM captures
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):
         for i in range(n_iter):
             step(i)
     g.replay()
