@@ -1050,11 +1050,6 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
 # Calls on one stream are ordered. Sized once for any call coop_shape admits (rows x C <= SMs, C
 # >= 2: at most SMs / 2 rows; ~270 KB at 132 SMs), so it never grows inside a graph capture.
 _COOP_BUFS: dict = {}
-# Streams whose state was made inside a CUDA graph capture: its zeroing is a node of that graph and
-# runs only when the graph replays. Until a call outside any capture has zeroed it, every capture
-# that uses it zeroes it first (graphs may replay in any order) and so does the first eager call.
-# vLLM warms up on the capture stream before capturing, so there the state is made eagerly.
-_COOP_MADE_IN_CAPTURE: set = set()
 
 
 def coop_buffer_words(num_sms: int) -> int:
@@ -1062,21 +1057,20 @@ def coop_buffer_words(num_sms: int) -> int:
     return (num_sms // 2) * _COOP_STATE + 2 * num_sms
 
 
-def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
+def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor | None:
+    """The stream's zeroed state, or None when it does not exist yet and the stream is capturing a
+    CUDA graph: a zeroing captured there would only run at replay, and an eager call on that
+    stream before it would find garbage in the barrier counters (the caller takes the other path;
+    vLLM's warm-up runs before each capture create it)."""
     on_gpu = device.type == "cuda"
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
     key = (device.type, idx, torch.cuda.current_stream(idx).cuda_stream if on_gpu else 0)
-    capturing = on_gpu and torch.cuda.is_current_stream_capturing()
     buf = _COOP_BUFS.get(key)
     if buf is None:
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            return None
         buf = torch.zeros(coop_buffer_words(num_sms), dtype=torch.int32, device=device)
         _COOP_BUFS[key] = buf
-        if capturing:
-            _COOP_MADE_IN_CAPTURE.add(key)
-    elif key in _COOP_MADE_IN_CAPTURE:
-        buf.zero_()
-        if not capturing:
-            _COOP_MADE_IN_CAPTURE.discard(key)
     return buf
 
 
@@ -1094,10 +1088,13 @@ _COOP_REFUSED: set = set()
 
 def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> bool:
     """Run the cooperative select; False (nothing launched) where the driver refused the
-    cooperative launch (then the caller takes the other path; warned once per grid size)."""
+    cooperative launch (then the caller takes the other path; warned once per grid size) or the
+    stream is capturing a graph before its state exists."""
     rows = out.shape[0]
     c, block = coop
     buf = _coop_buffer(logits.device, num_sms)
+    if buf is None:  # first call on a capturing stream: the other path (see _coop_buffer)
+        return False
     state, part = buf[:rows * _COOP_STATE], buf[rows * _COOP_STATE:rows * (_COOP_STATE + 2 * c)]
     kern, consts, nw = coop_launch(k, mode, cfg, coop)
     args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)
