@@ -845,18 +845,29 @@ COOP = True
 # down to COOP_MIN_BLOCK.
 COOP_MAX_BLOCK = 4096
 COOP_MIN_BLOCK = 1024
+# CTAs of the cooperative select per SM the grid may take (rows x C <= this x SMs). 1 is what was
+# timed; 2 would take 32k rows at T = 32 (C 8) and T = 16 with 2048 keys per program (C 16), 4 up
+# to T = 64. Its programs need 48-109 registers and 1 KB of shared memory (sm_120, Triton 3.8):
+# two 8-warp CTAs of 4096 keys (109 registers) fit an SM, four do not, so a 4-per-SM grid of them
+# is refused by the driver and that call falls back (``_COOP_REFUSED``, warned once). An option
+# until timed (``COOP_CTAS_PER_SM`` override, 1..COOP_MAX_CTAS_PER_SM).
+COOP_CTAS_PER_SM = 1
+COOP_MAX_CTAS_PER_SM = 4
 
 
-def coop_shape(k: int, max_seq_len: int, rows: int, num_sms: int) -> tuple[int, int] | None:
+def coop_shape(k: int, max_seq_len: int, rows: int, num_sms: int,
+               ctas_per_sm: int = COOP_CTAS_PER_SM) -> tuple[int, int] | None:
     """(programs per row C, keys per program BLOCK) of the cooperative select, or None where it
-    does not apply: every row fits k (filled), or fewer than 2 programs per row fit one CTA per SM
-    (a cooperative launch needs the whole grid co-resident: rows x C <= SMs)."""
+    does not apply: every row fits k (filled), or fewer than 2 programs per row fit
+    ``ctas_per_sm`` CTAs per SM (a cooperative launch needs the whole grid co-resident: rows x C
+    <= ctas_per_sm x SMs)."""
     if max_seq_len <= k or rows < 1:
         return None
+    slots = num_sms * ctas_per_sm
     c = triton.next_power_of_2(triton.cdiv(max_seq_len, COOP_MAX_BLOCK))
-    while rows * c * 2 <= num_sms and triton.cdiv(max_seq_len, c * 2) >= COOP_MIN_BLOCK:
+    while rows * c * 2 <= slots and triton.cdiv(max_seq_len, c * 2) >= COOP_MIN_BLOCK:
         c *= 2
-    if c < 2 or rows * c > num_sms:
+    if c < 2 or rows * c > slots:
         return None
     return c, max(256, triton.next_power_of_2(triton.cdiv(max_seq_len, c)))
 
@@ -916,7 +927,8 @@ def topk_config(k: int, max_seq_len: int, rows: int = 1, num_sms: int = 132, seg
                 # 256k) it needs an 8 B stack frame on sm_120 (Triton 3.8, split rows); two selects
                 # there (92 registers, none)
                 SAMPLE_JOINT=SAMPLE_JOINT and s <= 4096,
-                short_warps=min(8, max(4, short_block // 512)), COOP=COOP and max_seq_len > SHORT_MAX)
+                short_warps=min(8, max(4, short_block // 512)), COOP=COOP and max_seq_len > SHORT_MAX,
+                COOP_CTAS_PER_SM=COOP_CTAS_PER_SM)
 
 
 def merge_segcap(cap: int, split: int) -> int:
@@ -999,7 +1011,13 @@ def call_config(k: int, max_seq_len: int, rows: int, num_sms: int, arch_major: i
 def call_coop(cfg: dict, k: int, max_seq_len: int, rows: int, num_sms: int) -> tuple[int, int] | None:
     """(C, BLOCK) of the cooperative select a call of config ``cfg`` runs, or None (the launch,
     the compile specs and the benchmark's plan all decide here)."""
-    return coop_shape(k, max_seq_len, rows, num_sms) if cfg.get("COOP") else None
+    if not cfg.get("COOP"):
+        return None
+    ctas = cfg.get("COOP_CTAS_PER_SM", COOP_CTAS_PER_SM)
+    if not isinstance(ctas, int) or not 1 <= ctas <= COOP_MAX_CTAS_PER_SM:
+        raise ValueError(f"COOP_CTAS_PER_SM must be an int in 1..{COOP_MAX_CTAS_PER_SM} (the cooperative "
+                         f"state is sized for that many), got {ctas!r}")
+    return coop_shape(k, max_seq_len, rows, num_sms, ctas)
 
 
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
@@ -1047,14 +1065,17 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
 
 # Per-(device, stream) zeroed state of the cooperative select (the row histograms and counters,
 # then the per-program counts; all zero between calls: the last program of a row resets its own).
-# Calls on one stream are ordered. Sized once for any call coop_shape admits (rows x C <= SMs, C
-# >= 2: at most SMs / 2 rows; ~270 KB at 132 SMs), so it never grows inside a graph capture.
+# Calls on one stream are ordered. Sized once for any call coop_shape admits at up to
+# COOP_MAX_CTAS_PER_SM CTAs per SM (rows x C <= 4 x SMs, C >= 2: at most 2 x SMs rows; ~1.1 MB at
+# 132 SMs), so it never grows inside a graph capture.
 _COOP_BUFS: dict = {}
 
 
-def coop_buffer_words(num_sms: int) -> int:
-    """int32 words of the cooperative state that covers every call on a GPU of ``num_sms`` SMs."""
-    return (num_sms // 2) * _COOP_STATE + 2 * num_sms
+def coop_buffer_words(num_sms: int, ctas_per_sm: int = COOP_MAX_CTAS_PER_SM) -> int:
+    """int32 words of the cooperative state that covers every call on a GPU of ``num_sms`` SMs
+    with up to ``ctas_per_sm`` CTAs per SM: rows x (state + 2 C) with rows x C <= slots, C >= 2."""
+    slots = num_sms * ctas_per_sm
+    return (slots // 2) * _COOP_STATE + 2 * slots
 
 
 def _coop_buffer(device: torch.device, num_sms: int) -> torch.Tensor | None:
@@ -1305,11 +1326,11 @@ def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, 
                         consts = {a: v for a, v in consts.items() if a != "MODE"}
                         seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
         # The cooperative select's C and BLOCK follow rows x L more finely than the grid above: every
-        # (C, BLOCK) it can take, from rows 1 .. SMs / 2 and row lengths at each power of two (its
+        # (C, BLOCK) it can take, from rows 1 .. slots / 2 and row lengths at each power of two (its
         # boundaries) and just past it.
         lens = sorted({L for j in range(1, 23) for L in (1 << j, (1 << j) + 1)} | set(max_seq_lens))
         for n in sms:
-            for r in range(1, n // 2 + 1):
+            for r in range(1, n * COOP_CTAS_PER_SM // 2 + 1):
                 for L in lens:
                     cfg = topk_config(k, L, r, n, arch_major=arch_major)
                     coop = call_coop(cfg, k, L, r, n)

@@ -7,6 +7,7 @@ contexts up to 300k."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -744,6 +745,30 @@ def test_coop_shape_rule():
         assert c >= 2 and c & (c - 1) == 0 and block & (block - 1) == 0, (k, L, rows, sms, c, block)
         assert rows * c <= sms and c * block >= L and block <= T.COOP_MAX_BLOCK
         assert c == 2 or T.triton.cdiv(L, c) >= T.COOP_MIN_BLOCK
+    # more CTAs per SM: more rows fit, rows x C within the slots
+    assert T.coop_shape(2048, 32768, 32, 132, 2) == (8, 4096)
+    assert T.coop_shape(2048, 32768, 16, 132, 2) == (16, 2048)
+    assert T.coop_shape(2048, 32768, 64, 132, 4) == (8, 4096)
+    assert T.coop_shape(2048, 32768, 64, 132, 2) is None
+
+
+def test_coop_ctas_per_sm_option():
+    """COOP_CTAS_PER_SM (an override) widens the cooperative grid: the same exact output with a
+    shape one CTA per SM does not admit; values outside 1..COOP_MAX_CTAS_PER_SM are refused."""
+    g = torch.Generator().manual_seed(11)
+    lg = torch.randn(3, 5000, generator=g)
+    lens = torch.tensor([5000, 4000, 2600], dtype=torch.int32)
+    assert T.coop_shape(512, 5000, 3, 8, 1) == (2, 4096) and T.coop_shape(512, 5000, 3, 8, 2) == (4, 2048)
+    cfg, _, _ = T.call_config(512, 5000, 3, 8, 0, {"COOP": True, "COOP_CTAS_PER_SM": 2})
+    assert T.call_coop(cfg, 512, 5000, 3, 8) == (4, 2048)
+    out = torch.full((3, 512), -7, dtype=torch.int32, device=DEVICE)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 5000, COOP=True, COOP_CTAS_PER_SM=2)
+    assert torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
+    for buf in T._COOP_BUFS.values():
+        assert not buf.any()
+    for bad in (0, T.COOP_MAX_CTAS_PER_SM + 1, 1.5):
+        with pytest.raises(ValueError, match="COOP_CTAS_PER_SM"):
+            T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 5000, COOP=True, COOP_CTAS_PER_SM=bad)
 
 
 @pytest.mark.parametrize("kind", ["randn", "quantized", "ties", "neg_inf", "spikes", "dups", "increasing"])
@@ -815,6 +840,32 @@ def test_gpu_coop_k2048(kind, width, rows):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("ctas", [2, 4])
+@pytest.mark.parametrize("width,rows", [(32768, 16), (32768, 32), (32768, 64), (131072, 8)])
+def test_gpu_coop_ctas_per_sm(ctas, width, rows):
+    """COOP_CTAS_PER_SM 2 / 4: a cooperative grid of several CTAs per SM, exact against the
+    reference where the driver launches it; where it cannot make the grid co-resident, the call
+    warns and takes the other path (still exact)."""
+    sms = T._num_sms(0)
+    if T.coop_shape(2048, width, rows, sms, ctas) is None:
+        pytest.skip(f"no cooperative shape for {rows} rows of {width} at {ctas} CTAs per SM on {sms} SMs")
+    g = torch.Generator().manual_seed(width + rows + ctas)
+    lg = _short_rows("randn", rows, width, g).cuda()
+    lens = torch.randint(2049, width + 1, (rows,), generator=g, dtype=torch.int32)
+    lens[0] = width
+    lens = lens.cuda()
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a refused launch: the other path
+        T.persistent_topk(lg, lens, out, None, 2048, width, COOP=True, COOP_CTAS_PER_SM=ctas)
+    torch.cuda.synchronize()
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+    for buf in T._COOP_BUFS.values():
+        assert not buf.any()
+
+
+@gpu
+@needs_gpu
 def test_gpu_coop_cuda_graph_capture():
     """The cooperative launch captured in a CUDA graph as vLLM captures (warm-up on the capture
     stream, which creates that stream's state, then the capture on it) and replayed on new logits
@@ -850,11 +901,12 @@ def test_coop_buffer_covers_every_admitted_call(sms):
     """The cooperative state is allocated once per (device, stream) at coop_buffer_words: every
     (rows, C) coop_shape admits fits it (so a graph capture never grows it)."""
     need = 0
-    for rows in range(1, sms + 1):
-        for L in (2049, 4096, 8193, 32768, 131072, 1 << 20):
-            cs = T.coop_shape(2048, L, rows, sms)
-            if cs is not None:
-                need = max(need, rows * (T._COOP_STATE + 2 * cs[0]))
+    for ctas in range(1, T.COOP_MAX_CTAS_PER_SM + 1):
+        for rows in range(1, sms * ctas + 1):
+            for L in (2049, 4096, 8193, 32768, 131072, 1 << 20):
+                cs = T.coop_shape(2048, L, rows, sms, ctas)
+                if cs is not None:
+                    need = max(need, rows * (T._COOP_STATE + 2 * cs[0]))
     assert 0 < need <= T.coop_buffer_words(sms)
 
 
