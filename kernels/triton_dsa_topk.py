@@ -1313,32 +1313,38 @@ def dispatch_launches(ks=SPEC_K, max_seq_lens=SPEC_MAX_SEQ_LEN, rows=SPEC_ROWS, 
     given inputs on a GPU of that compute-capability major (default SM12x, the compile specs'
     target; any row mode: MODE only selects the row-range loads)."""
     seen = {}
+
+    def launches(k, L, r, n):
+        """A call's cooperative launch (or None) and its plan without it (what a refused
+        cooperative launch falls back to)."""
+        cfg = topk_config(k, L, r, n, arch_major=arch_major)
+        nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
+        coop = call_coop(cfg, k, L, r, n)
+        return (coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop) if coop is not None else None,
+                _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw))
+
+    def add(kern, consts, w):
+        consts = {a: v for a, v in consts.items() if a != "MODE"}
+        seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+
     for k in ks:
         for L in max_seq_lens:
             for r in rows:
                 for n in sms:
-                    cfg = topk_config(k, L, r, n, arch_major=arch_major)
-                    nw, mw = cfg.pop("num_warps"), cfg.pop("merge_warps")
-                    coop = call_coop(cfg, k, L, r, n)
-                    plan = ([coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop)] if coop is not None
-                            else _launch_plan(cfg, k, _MODE_ROW_LENGTHS, L, nw, mw))
-                    for kern, consts, w in plan:
-                        consts = {a: v for a, v in consts.items() if a != "MODE"}
-                        seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+                    coop, plan = launches(k, L, r, n)
+                    for launch in ([coop] if coop is not None else []) + plan:
+                        add(*launch)
         # The cooperative select's C and BLOCK follow rows x L more finely than the grid above: every
         # (C, BLOCK) it can take, from rows 1 .. slots / 2 and row lengths at each power of two (its
-        # boundaries) and just past it.
+        # boundaries) and just past it, with the plans those calls fall back to.
         lens = sorted({L for j in range(1, 23) for L in (1 << j, (1 << j) + 1)} | set(max_seq_lens))
         for n in sms:
             for r in range(1, n * COOP_CTAS_PER_SM // 2 + 1):
                 for L in lens:
-                    cfg = topk_config(k, L, r, n, arch_major=arch_major)
-                    coop = call_coop(cfg, k, L, r, n)
-                    if coop is None:
-                        continue
-                    kern, consts, w = coop_launch(k, _MODE_ROW_LENGTHS, cfg, coop)
-                    consts = {a: v for a, v in consts.items() if a != "MODE"}
-                    seen.setdefault((kern.__name__, tuple(sorted(consts.items())), w), (kern, consts, w))
+                    coop, plan = launches(k, L, r, n)
+                    if coop is not None:
+                        for launch in [coop] + plan:
+                            add(*launch)
     return sorted(seen.values(), key=lambda t: (t[0].__name__, sorted(t[1].items()), t[2]))
 
 
