@@ -1045,7 +1045,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
     coop = call_coop(cfg, k, max_seq_len, rows, sms)
-    if coop is not None and (logits.device.index or 0, rows * coop[0]) not in _COOP_REFUSED:
+    if coop is not None and (logits.device.index or 0, rows * coop[0], coop[1]) not in _COOP_REFUSED:
         if _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms):
             return out
     lay = _scratch_layout(rows, k, cap, split)
@@ -1102,8 +1102,10 @@ def coop_launch(k: int, mode: int, cfg: dict, coop: tuple[int, int]) -> tuple:
             4 if block <= 2048 else 8)
 
 
-# (device index, grid size) of cooperative launches the driver refused (e.g. fewer SMs usable than
-# the device has, under MPS limits or green contexts): those calls take the other path from then on.
+# (device index, grid size, keys per program) of cooperative launches the driver refused (e.g. fewer
+# SMs usable than the device has, under MPS limits or green contexts, or more CTAs per SM than the
+# program's registers allow): those calls take the other path from then on. The keys per program
+# set the warps and registers, so a grid refused at 4096 keys may still fit at 1024.
 _COOP_REFUSED: set = set()
 
 
@@ -1125,9 +1127,9 @@ def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms)
         except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: not launched, not sticky
             if "cooperative" not in str(e).lower():
                 raise
-            _COOP_REFUSED.add((logits.device.index or 0, rows * c))
-            warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * c} CTAs ({e}); "
-                          "calls of this size take the segment / short path", RuntimeWarning, stacklevel=3)
+            _COOP_REFUSED.add((logits.device.index or 0, rows * c, block))
+            warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * c} CTAs of {block} keys "
+                          f"({e}); calls of this shape take the segment / short path", RuntimeWarning, stacklevel=3)
             return False
     else:  # the interpreter runs programs one after another: one launch per phase, no spinning
         consts["SPIN"] = False

@@ -912,8 +912,9 @@ def test_coop_buffer_covers_every_admitted_call(sms):
 
 def test_coop_refused_launch_takes_the_other_path(monkeypatch):
     """A cooperative launch the driver refuses (too large for the SMs it can use) is not an error
-    for the caller: a warning, False (nothing launched), and that grid size is remembered, so the
-    call and later ones take the other path (same output); other launch errors propagate."""
+    for the caller: a warning, False (nothing launched), and that launch shape (grid size, keys
+    per program) is remembered, so the call and later ones of that shape take the other path (same
+    output); other launch errors propagate."""
     g = torch.Generator().manual_seed(5)
     lg = torch.randn(2, 3000, generator=g)
     lens = torch.tensor([3000, 2500], dtype=torch.int32)
@@ -936,15 +937,22 @@ def test_coop_refused_launch_takes_the_other_path(monkeypatch):
     with pytest.warns(RuntimeWarning, match="cooperative"):  # on_gpu=True: the cooperative launch
         assert not T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024),
                                   True, 8)
-    assert calls == [(2, 4)] and T._COOP_REFUSED == {(0, 8)} and torch.all(out == -7)
+    assert calls == [(2, 4)] and T._COOP_REFUSED == {(0, 8, 1024)} and torch.all(out == -7)
     monkeypatch.setattr(T, "_topk_coop_kernel", Refusing("Triton Error [CUDA]: an illegal memory access"))
     with pytest.raises(RuntimeError, match="illegal"):
         T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024), True, 8)
     # a refused size: the entry takes the other path without trying the cooperative launch again
     monkeypatch.setattr(T, "_topk_coop_kernel", real)
-    c, _ = T.coop_shape(512, 3000, 2, 8)
-    monkeypatch.setattr(T, "_COOP_REFUSED", {(0, 2 * c)})
+    c, block = T.coop_shape(512, 3000, 2, 8)
+    monkeypatch.setattr(T, "_COOP_REFUSED", {(0, 2 * c, block)})
     monkeypatch.setattr(T, "_launch_coop", lambda *a, **k: pytest.fail("a refused size was launched again"))
     out = torch.full((2, 512), -7, dtype=torch.int32, device=DEVICE)
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 3000, COOP=True)
     assert torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
+    # the same grid size at other keys per program (other registers per CTA) is still tried
+    tried = []
+    monkeypatch.setattr(T, "_COOP_REFUSED", {(0, 2 * c, 2 * block)})
+    monkeypatch.setattr(T, "_launch_coop", lambda *a, **k: tried.append(a[8]) or False)
+    out.fill_(-7)
+    T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 3000, COOP=True)
+    assert tried == [(c, block)] and torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
