@@ -1045,7 +1045,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
     coop = call_coop(cfg, k, max_seq_len, rows, sms)
-    if coop is not None and (logits.device.index or 0, rows * coop[0], coop[1]) not in _COOP_REFUSED:
+    if coop is not None and _coop_refusal_key(logits.device, rows, coop) not in _COOP_REFUSED:
         if _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms):
             return out
     lay = _scratch_layout(rows, k, cap, split)
@@ -1109,6 +1109,11 @@ def coop_launch(k: int, mode: int, cfg: dict, coop: tuple[int, int]) -> tuple:
 _COOP_REFUSED: set = set()
 
 
+def _coop_refusal_key(device: torch.device, rows: int, coop: tuple[int, int]) -> tuple[int, int, int]:
+    """The ``_COOP_REFUSED`` entry of a cooperative launch of ``rows`` rows at ``coop`` = (C, BLOCK)."""
+    return (device.index or 0, rows * coop[0], coop[1])
+
+
 def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> bool:
     """Run the cooperative select; False (nothing launched) where the driver refused the
     cooperative launch (then the caller takes the other path; warned once per grid size) or the
@@ -1127,7 +1132,7 @@ def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms)
         except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: not launched, not sticky
             if "cooperative" not in str(e).lower():
                 raise
-            _COOP_REFUSED.add((logits.device.index or 0, rows * c, block))
+            _COOP_REFUSED.add(_coop_refusal_key(logits.device, rows, coop))
             warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * c} CTAs of {block} keys "
                           f"({e}); calls of this shape take the segment / short path", RuntimeWarning, stacklevel=3)
             return False
