@@ -6,14 +6,18 @@ wrapper's Python and launch cost is paid per layer there. For each shape (T quer
 fp8_ds_mla, top-k 2048) this times, as medians of ``common.host_us`` (wall time of one call, the
 queue drained every 16 calls outside the timed region):
 
-* ``call``            the whole call as the backend makes it (output allocated by the wrapper, the
-                      LSE not returned: ``return_lse=False``, written to the stream's sink)
+* ``call``            the whole call as the 0.26.0 backend makes it (the output the stream's reused
+                      buffer: ``reuse_out=True``; the LSE not returned: ``return_lse=False``,
+                      written to the stream's sink)
+* ``call_alloc``      the same with the output allocated by the call (0.33.0+'s backend)
 * ``call_lse``        the whole call returning a newly allocated LSE too
 * ``call_given_out``  the whole call with caller-provided out / lse
 * ``plan_key``        the plan-cache lookup (v1's ``_plan_key`` + the dict get)
 * ``empty_out`` / ``empty_lse`` / ``empty_scratch``  one ``torch.empty`` of each (the scratch is
                       no longer allocated per call: ``workspace`` is the stream workspace's lookup)
 * ``kernel_run`` / ``merge_run``  one ``CompiledKernel.run`` of the attention / merge kernel
+* ``kernel_launch`` / ``merge_launch``  the same launch as the direct path makes it
+                      (``triton_sparse_mla.launcher``: the C entry point when ``c_launch``)
 * ``data_ptr_x5``     five ``data_ptr()`` reads
 
 for the dispatch's merge and, at split points, for both merges (``MERGE`` fused / separate).
@@ -59,6 +63,9 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
     v2._PLANS_V2.clear()
     with common.sparse_mla_merge_env(merge):
         def call():
+            return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False, reuse_out=True)
+
+        def call_alloc():
             return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False)
 
         def call_lse():
@@ -67,7 +74,7 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         def call_out():
             return v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse)
 
-        for f in (call, call, call_out, call_out):  # plan + compile, then the direct path
+        for f in (call, call, call_alloc, call_out, call_out):  # plan + compile, then the direct path
             f()
         torch.cuda.synchronize()
         key = v1._plan_key(q, cache, idx, SCALE, "fp8_ds_mla", None, None, None, None)
@@ -75,6 +82,7 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         rec = {"T": T, "H": H, "merge_env": merge, "num_splits": p.num_splits, "fused": bool(p.fused),
                "keys_m": bool(p.keys_m), "direct": p.kernel is not None}
         rec["call"] = common.host_us(call, calls=calls)
+        rec["call_alloc"] = common.host_us(call_alloc, calls=calls)
         rec["call_lse"] = common.host_us(call_lse, calls=calls)
         rec["call_given_out"] = common.host_us(call_out, calls=calls)
         rec["plan_key"] = common.host_us(
@@ -98,16 +106,22 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
                                               calls=calls)
             args = v2.kernel_args(p, q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lse.data_ptr(),
                                   pp, plp, cntp, lse.data_ptr())
+            # the launcher's C entry point called directly (v1.launcher) or CompiledKernel.run
+            rec["c_launch"] = p.launch is not k.run
             if p.num_splits == 1 or p.fused:  # a launch that needs no merge kernel after it
                 rec["kernel_run"] = common.host_us(
                     lambda: k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args),
                     calls=calls)
+                rec["kernel_launch"] = common.host_us(lambda: p.launch(p.grid[0], 1, 1, stream, *p.head, *args),
+                                                      calls=calls)
             m = p.merge_kernel
             if m is not None:
                 margs = (pp, plp, out.data_ptr(), lse.data_ptr(), *p.merge_tail, *p.merge_consts)
                 rec["merge_run"] = common.host_us(
                     lambda: m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
                                   *margs), calls=calls)
+                rec["merge_launch"] = common.host_us(
+                    lambda: p.merge_launch(p.merge_grid[0], 1, 1, stream, *p.merge_head, *margs), calls=calls)
         torch.cuda.synchronize()
         return rec
 

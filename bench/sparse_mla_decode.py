@@ -16,8 +16,9 @@ Decode, per shape (heads H, query rows T, topk 2048, KV formats ``fp8_ds_mla`` 6
 (several times the L2), indices random within each query row's own context:
 
 1. this kernel (``kernels/triton_sparse_mla.sparse_mla_decode``), CUDA-graph replay (``us``) and
-   ``host_us``: the median wall time of one eager call over 1,000 calls (outputs allocated by the
-   call, as the backend calls it);
+   ``host_us``: the median wall time of one eager call over 1,000 calls as the 0.26.0 backend
+   calls it (LSE not returned, the output the stream's reused buffer); ``host_us_alloc`` with the
+   output allocated by the call (0.33.0+'s backend);
 2. ``gather_us``: a Triton kernel that only reads the same KV rows (same indices, same pool) and
    folds them into a checksum -- the memory-side limit of this access pattern, best of a few tile
    shapes; ``kernel_over_gather = us / gather_us``;
@@ -439,10 +440,15 @@ def run_shape(H, T, fmt, pools, fmi, copy_bw, l2_bytes, args, config=None, num_s
     if rec.get("v2_us") and config is None and num_splits is None:
         from kernels.triton_sparse_mla_v2 import sparse_mla_decode_v2
 
-        # as the backend calls it: the LSE is not returned (vLLM uses it only under decode context
-        # parallelism), so the call allocates only the output
+        # as the backend calls it on 0.26.0: the LSE is not returned (vLLM uses it only under decode
+        # context parallelism) and the output is the stream's reused buffer (reuse_out), so the
+        # call allocates nothing; host_us_alloc: the output allocated by the call (0.33.0+)
         rec["host_us"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE, fmt,
-                                                                     k_scale, return_lse=False), calls=args.host_calls)
+                                                                     k_scale, return_lse=False, reuse_out=True),
+                                        calls=args.host_calls)
+        rec["host_us_alloc"] = common.host_us(lambda: sparse_mla_decode_v2(qs[0], cache, idx_sets[0], SOFTMAX_SCALE,
+                                                                           fmt, k_scale, return_lse=False),
+                                              calls=args.host_calls)
     words = cache.view(torch.int32).reshape(-1, ROW_BYTES[fmt] // 4)  # contiguous pool: row = slot
     nsm = torch.cuda.get_device_properties(device).multi_processor_count
     best = None
@@ -584,8 +590,11 @@ def run_prefill(ctx, H, pools, fmi, vllm_c, args, device="cuda"):
     ro, _ = sparse_mla_decode_reference(q[sample], cache, slots[sample], SOFTMAX_SCALE, "fp8_ds_mla")
     rec["rel_err_sampled_rows"] = rel_err(out[sample], ro)
     rec["us"] = common.time_events([lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla")])
-    rec["host_us"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla"),
-                                    calls=args.host_calls)
+    # host time as the 0.26.0 backend calls it (LSE not returned, reused output), and allocating
+    rec["host_us"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla",
+                                                              return_lse=False, reuse_out=True), calls=args.host_calls)
+    rec["host_us_alloc"] = common.host_us(lambda: sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, "fp8_ds_mla"),
+                                          calls=args.host_calls)
     # the workspace design (docs/notes/sparse_mla.md), steps 1 + 3: the request's context
     # dequantized once into a bf16 workspace, then the same kernel over it in the bfloat16 format
     # with request positions as indices

@@ -540,6 +540,30 @@ def _workspace(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
     return _stream_buffer(_WORKSPACES, _RETIRED_WORKSPACES, device, dev_index, stream, n, torch.float32, 4096)
 
 
+# Per-(dtype, device, stream) output buffers of calls that ask for a reused output (``reuse_out``:
+# vLLM's backend, whose caller consumes the attention output before its next attention call on the
+# stream). Each plan keeps its view of the buffer per stream, so such a call allocates nothing; a
+# buffer is never freed (a captured graph keeps its pointer; a plan's view keeps an outgrown one).
+# Outputs over REUSE_OUT_MAX_BYTES are allocated per call: the kernel then runs for milliseconds
+# and the allocation's host time is hidden behind it.
+REUSE_OUT_MAX_BYTES = 64 << 20
+_OUTS: dict = {}
+_RETIRED_OUTS: list = []
+
+
+def reused_output(views: dict, device, dev_index: int, stream: int, shape: tuple, dtype) -> torch.Tensor:
+    """The plan's view (``views``: stream -> tensor) of the stream's output buffer of ``dtype``,
+    made on first use."""
+    v = views.get(stream)
+    if v is None:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = _stream_buffer(_OUTS.setdefault(dtype, {}), _RETIRED_OUTS, device, dev_index, stream, n, dtype, 4096)
+        v = views[stream] = buf[:n].view(shape)
+    return v
+
+
 def _pick_num_splits(num_tokens: int, n_hblocks: int, topk: int, block_n: int, num_sms: int,
                      waves: float = 1.0) -> int:
     """Split the top-k range across programs when T * head-blocks would underfill the GPU
@@ -567,7 +591,8 @@ class _Plan:
     __slots__ = ("device", "dev_index", "out_dtype", "out_shape", "lse_shape", "po_shape", "plse_shape",
                  "plse_offset", "scratch_numel", "merge", "fused", "cnt_numel",
                  "kv_squeeze", "kv_u8", "kscale_from_ptr", "split", "grid", "tail", "consts", "meta",
-                 "merge_grid", "merge_tail", "merge_consts", "merge_meta", "kernel", "merge_kernel")
+                 "merge_grid", "merge_tail", "merge_consts", "merge_meta", "kernel", "merge_kernel",
+                 "launch", "head", "merge_launch", "merge_head", "out_views", "reuse_out")
 
 
 _PLANS: dict = {}
@@ -643,7 +668,9 @@ def _make_plan(q, kv_cache, indices, softmax_scale, kv_format, k_scale, out, lse
     p.kv_squeeze = kv_cache.dim() == 4
     p.kv_u8 = code != _FMT_16BIT
     p.kscale_from_ptr = kscale_from_ptr
-    p.kernel = p.merge_kernel = None
+    bind_kernels(p, None, None)
+    p.out_views = {}  # stream -> the reused output's view (reuse_out)
+    p.reuse_out = T * H * LATENT_DIM * q.element_size() <= REUSE_OUT_MAX_BYTES
     p.split, p.grid = False, None
     p.merge, p.fused, p.cnt_numel = None, False, 0
     if q.is_cuda:
@@ -704,6 +731,46 @@ def _no_launch_hooks() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _c_launch_known() -> bool:
+    """True when Triton's CUDA launcher has the layout ``launcher`` was written against (Triton
+    3.6: ``CudaLauncher.__call__(gx, gy, gz, stream, function, *args)`` calls the compiled C entry
+    point ``launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+    *args)``, its argument format ``_BASE_ARGS_FORMAT``). Other versions launch through ``run``."""
+    try:
+        from triton.backends.nvidia import driver as nv
+    except Exception:  # no CUDA backend in this Triton
+        return False
+    return triton.__version__.startswith("3.6.") and getattr(nv, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
+
+
+def launcher(k) -> tuple:
+    """``(launch, head)`` of a compiled kernel ``k``: ``launch(gx, 1, 1, stream, *head, *args)``
+    launches it with the kernel's arguments ``args`` (pointers as integers).
+
+    On Triton 3.6's CUDA launcher, for a kernel that needs no global or profile scratch (one CTA
+    per cluster), ``launch`` is the launcher's C entry point itself: ``CompiledKernel.run`` would
+    only add a Python frame that allocates no scratch and passes the same values (~0.7 us a
+    launch of host time). Otherwise ``launch`` is ``k.run``, as Triton's own path calls it."""
+    run = k.run
+    if _c_launch_known():
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        if (isinstance(run, CudaLauncher) and getattr(run, "global_scratch_size", 1) == 0
+                and getattr(run, "profile_scratch_size", 1) == 0 and getattr(run, "num_ctas", 0) == 1
+                and callable(getattr(run, "launch", None))):
+            return run.launch, (k.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                k.packed_metadata, None, None, None)
+    return run, (k.function, k.packed_metadata, None, None, None)
+
+
+def bind_kernels(p, k, m) -> None:
+    """Keep a plan's compiled kernel ``k`` and merge kernel ``m`` (or None) with their launchers."""
+    p.kernel, p.merge_kernel = k, m
+    p.launch, p.head = launcher(k) if k is not None else (None, None)
+    p.merge_launch, p.merge_head = launcher(m) if m is not None else (None, None)
+
+
 def _compiled(k):
     """The CompiledKernel a JIT launch returned, if it can be launched directly (else None)."""
     if k is not None and hasattr(k, "result") and not hasattr(k, "packed_metadata"):
@@ -711,36 +778,39 @@ def _compiled(k):
     return k if hasattr(k, "packed_metadata") and hasattr(k, "function") else None
 
 
-def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bool):
+def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bool, reuse_out: bool = False):
     if out is None:
-        out = torch.empty(p.out_shape, dtype=p.out_dtype, device=p.device)
+        if reuse_out and p.reuse_out:  # v2's reuse_out (sparse_mla_decode_v2's v1 calls)
+            stream = _raw_stream(p.dev_index) if p.dev_index >= 0 else 0
+            out = p.out_views.get(stream)
+            if out is None:
+                out = reused_output(p.out_views, p.device, p.dev_index, stream, p.out_shape, p.out_dtype)
+        else:
+            out = torch.empty(p.out_shape, dtype=p.out_dtype, device=p.device)
     if lse is None:
         lse = torch.empty(p.lse_shape, dtype=torch.float32, device=p.device)
     if p.grid is None:  # T == 0
         return out, lse
-    k = p.kernel
-    if k is not None and _no_launch_hooks():
+    if p.launch is not None and _no_launch_hooks():
         # Direct launch of the kernels compiled for this plan, pointers passed as integers (the
         # launcher then skips its per-pointer data_ptr() call and driver attribute query; the
         # plan's key fixed every tensor's device, dtype, shape, strides and alignment). The
-        # split path's partial results live in one scratch allocation: [po | plse].
+        # split path's partial results live in the stream's workspace: [po | plse].
         lp = lse.data_ptr()
         op = out.data_ptr()
+        stream = _raw_stream(p.dev_index)
         if p.split:
-            scratch = torch.empty(p.scratch_numel, dtype=torch.float32, device=p.device)
-            pp = scratch.data_ptr()
+            pp = _workspace(p.device, p.dev_index, stream, p.scratch_numel).data_ptr()
             plp = pp + p.plse_offset
         else:
             pp, plp = op, lp  # unused by the kernel
-        stream = _raw_stream(p.dev_index)
         cp = _counters(p.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else lp
-        k.run(p.grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-              q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp,
-              k_scale.data_ptr() if p.kscale_from_ptr else lp, cp, *p.tail, *p.consts)
+        p.launch(p.grid, 1, 1, stream, *p.head,
+                 q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp,
+                 k_scale.data_ptr() if p.kscale_from_ptr else lp, cp, *p.tail, *p.consts)
         if p.split and not p.fused:
-            m = p.merge_kernel
-            m.run(p.merge_grid, 1, 1, stream, m.function, m.packed_metadata, None, None, None,
-                  pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
+            p.merge_launch(p.merge_grid, 1, 1, stream, *p.merge_head,
+                           pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
         return out, lse
     # First launch of a plan, interpreter, misaligned pointers or a launch hook (profilers):
     # Triton's JIT path (binds, specializes, compiles or finds the kernel, launches).
@@ -765,8 +835,7 @@ def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bo
     if cache_kernels and q.is_cuda and p.kernel is None:
         k, m = _compiled(k), _compiled(m)
         if k is not None and (m is not None or not p.split or p.fused):
-            p.merge_kernel = m
-            p.kernel = k
+            bind_kernels(p, k, m)
     return out, lse
 
 

@@ -1389,7 +1389,9 @@ class _PlanV2:
 
     __slots__ = ("T", "H", "kv_squeeze", "num_splits", "grid", "tail", "meta", "consts", "merge_grid",
                  "v_scale", "kscale_from_ptr", "fused", "cnt_numel", "ws_numel", "ws_sink",
-                 "merge_meta", "merge_consts", "merge_tail", "empty", "dev_index", "kernel", "merge_kernel", "keys_m")
+                 "merge_meta", "merge_consts", "merge_tail", "empty", "dev_index", "kernel", "merge_kernel", "keys_m",
+                 "launch", "head", "merge_launch", "merge_head", "args_tail", "ws_split_off", "out_views",
+                 "reuse_out")
 
 
 # plan key (v1's _plan_key) -> _PlanV2, or v1's plan for a key that goes to v1; bounded by
@@ -1450,6 +1452,9 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     p.T, p.H, p.kv_squeeze = T, H, kv_cache.dim() == 4
     p.empty = T == 0 or topk == 0
     p.grid = None
+    _v1.bind_kernels(p, None, None)
+    p.out_views = {}  # stream -> the reused output's view (reuse_out)
+    p.reuse_out = T * H * LATENT_DIM * q.element_size() <= _v1.REUSE_OUT_MAX_BYTES
     if p.empty:
         return p
     major, _, num_sms = _device_props(q.device)
@@ -1516,7 +1521,9 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     p.dev_index = -1  # CPU: the emulated kernel in the tests
     if q.is_cuda:
         p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    p.kernel = p.merge_kernel = None
+    # the direct launch's arguments after the eight pointers, minus the fp8 scale's pointer (see kernel_args)
+    p.args_tail = (*p.tail, p.v_scale) if p.keys_m else (*p.tail, *p.consts)
+    p.ws_split_off = T * H * p.num_splits * LATENT_DIM * 4  # byte offset of the partial LSEs
     return p
 
 
@@ -1531,10 +1538,17 @@ def kernel_args(p: _PlanV2, qp: int, kvp: int, idxp: int, op: int, lp: int, pp: 
 
 
 def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None,
-               return_lse: bool = True):
+               return_lse: bool = True, reuse_out: bool = False):
     T, H = p.T, p.H
+    stream = None
     if out is None:
-        out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
+        if reuse_out and p.reuse_out:
+            stream = _v1._raw_stream(p.dev_index) if p.dev_index >= 0 else 0
+            out = p.out_views.get(stream)
+            if out is None:
+                out = _v1.reused_output(p.out_views, q.device, p.dev_index, stream, (T, H, LATENT_DIM), q.dtype)
+        else:
+            out = torch.empty((T, H, LATENT_DIM), dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if p.empty:
@@ -1545,29 +1559,30 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
         return out, lse
     split = p.num_splits > 1
     t = p.tail
-    k = p.kernel
-    if k is not None and _v1._no_launch_hooks():
+    if p.launch is not None and _v1._no_launch_hooks():
         # Direct launch of the kernels compiled for this plan (as v1 does: pointers as integers,
         # no argument binding or specialization; the plan's key fixed every tensor's layout). The
         # split path's partial results and the LSE sink (LSE not returned) live in the stream's
-        # workspace: [po | plse | sink], no allocation per call.
-        stream = _v1._raw_stream(p.dev_index)
+        # workspace: [po | plse | sink], no allocation per call. Arguments as kernel_args orders them.
+        if stream is None:
+            stream = _v1._raw_stream(p.dev_index)
         op = out.data_ptr()
         ws = _v1._workspace(q.device, p.dev_index, stream, p.ws_numel).data_ptr()
         lp = lse.data_ptr() if lse is not None else ws + p.ws_sink * 4
         if split:
-            pp = ws
-            plp = pp + T * H * p.num_splits * LATENT_DIM * 4
+            pp, plp = ws, ws + p.ws_split_off
         else:
             pp, plp = op, lp  # unused by the kernel
         cntp = _v1._counters(q.device, p.dev_index, stream, p.cnt_numel).data_ptr() if p.fused else plp
-        k.run(p.grid[0], 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-              *kernel_args(p, q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op, lp, pp, plp, cntp,
-                           k_scale.data_ptr() if p.kscale_from_ptr else lp))
+        if p.keys_m:
+            p.launch(p.grid[0], 1, 1, stream, *p.head, q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op,
+                     lp, pp, plp, cntp, *p.args_tail, k_scale.data_ptr() if p.kscale_from_ptr else lp, *p.consts)
+        else:
+            p.launch(p.grid[0], 1, 1, stream, *p.head, q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr(), op,
+                     lp, pp, plp, cntp, *p.args_tail)
         if split and not p.fused:
-            m = p.merge_kernel
-            m.run(p.merge_grid[0], 1, 1, stream, m.function, m.packed_metadata, None, None, None,
-                  pp, plp, op, lp, *p.merge_tail, *p.merge_consts)
+            p.merge_launch(p.merge_grid[0], 1, 1, stream, *p.merge_head, pp, plp, op, lp, *p.merge_tail,
+                           *p.merge_consts)
         return out, lse
     # first launch of a plan (or a launch hook, e.g. a profiler): Triton's JIT path
     lse_ret = lse
@@ -1596,8 +1611,7 @@ def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool =
     if cache_kernels and p.kernel is None:
         k, m = _v1._compiled(k), _v1._compiled(m)
         if k is not None and (m is not None or not split or p.fused):
-            p.merge_kernel = m
-            p.kernel = k
+            _v1.bind_kernels(p, k, m)
     return out, lse_ret
 
 
@@ -1616,6 +1630,7 @@ def sparse_mla_decode_v2(
     config: dict | None = None,
     fallback: bool = True,
     return_lse: bool = True,
+    reuse_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA decode, v2 kernel where it applies (see the module docstring), else v1.
 
@@ -1624,7 +1639,11 @@ def sparse_mla_decode_v2(
     ``fallback=False`` raises ``NotImplementedError`` (with the reason) instead of calling v1.
     ``return_lse=False`` with no ``lse`` given returns ``(out, None)``: the v2 path then writes the
     LSE into a per-stream sink instead of allocating it (host time; the backend asks for the LSE
-    only under decode context parallelism).
+    only under decode context parallelism). ``reuse_out=True`` with no ``out`` given writes the
+    output into a per-(device, stream) buffer instead of allocating it (up to
+    ``REUSE_OUT_MAX_BYTES``): the result is then valid until the next ``reuse_out`` call on the same
+    stream, which is how vLLM's backend uses it (the output is consumed before the next layer's
+    attention).
 
     Host cost: the support check, validation and launch plan are worked out once per key (v1's
     ``_plan_key``: shapes, strides, dtypes, devices, scalars, 16-byte alignment); later calls with
@@ -1636,9 +1655,10 @@ def sparse_mla_decode_v2(
         if key is not None:
             p = _PLANS_V2.get(key)
             if type(p) is _PlanV2:
-                return _launch_v2(p, q, kv_cache, indices, out, lse, k_scale=k_scale, return_lse=return_lse)
+                return _launch_v2(p, q, kv_cache, indices, out, lse, k_scale=k_scale, return_lse=return_lse,
+                                  reuse_out=reuse_out)
             if p is not None:  # a key v2 does not take: v1's plan, launched as v1 launches it
-                o, l = _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True)
+                o, l = _v1._launch(p, q, kv_cache, indices, k_scale, out, lse, True, reuse_out)
                 return o, (l if return_lse or lse is not None else None)
     reason = v2_unsupported_reason(q, kv_format, kv_cache=kv_cache, config=config)
     if reason is not None:
@@ -1658,7 +1678,7 @@ def sparse_mla_decode_v2(
     if key is not None:
         _v1.remember_plan(_PLANS_V2, key, p)
     return _launch_v2(p, q, kv_cache, indices, out, lse, cache_kernels=key is not None and q.is_cuda, k_scale=k_scale,
-                      return_lse=return_lse)
+                      return_lse=return_lse, reuse_out=reuse_out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -258,3 +258,36 @@ def test_base_forward_reads_the_topk_from_topk_start(vllm_module):
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_output_buffer_reuse_only_where_the_caller_consumes_it(vllm_module):
+    """0.26.0: the impl's forward_mqa is the layer's only attention call and MLA's forward consumes
+    its output before returning, so from a key's second call on the output is the stream's reused
+    buffer (same storage, new values). 0.33.0+: the base may call the kernel step twice per layer
+    (0.34.0's HiSparse: decode rows, then prefill rows, outputs concatenated), so every call gets
+    its own output."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, H, ctx = 2, 4, 60
+    topk_buffer = torch.full((T, TOPK), -1, dtype=torch.int32)
+    for t in range(T):
+        topk_buffer[t, :30] = torch.randperm(ctx, generator=g)[:30].to(torch.int32)
+    impl = _make_impl("fp8_ds_mla", H, topk_buffer)
+    kv_cache = _cache("fp8_ds_mla", 1)
+    impl.do_kv_cache_update(
+        torch.randn(ctx, LATENT, generator=g).half(), torch.randn(ctx, 1, ROPE, generator=g).half(),
+        kv_cache, torch.arange(ctx, dtype=torch.int64), "fp8_ds_mla", torch.ones(1),
+    )
+    layer = types.SimpleNamespace(_k_scale=torch.ones(1), _k_scale_float=1.0)
+    block_table, req_id = torch.tensor([[0], [0]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    q1, q2 = (torch.randn(T, H, LATENT + ROPE, generator=g).half() for _ in range(2))
+    run = lambda q: _forward(impl, q, kv_cache, topk_buffer, block_table, req_id, layer)[0]  # noqa: E731
+    first = run(q1).clone()
+    b = run(q2)
+    b_values = b.clone()
+    c = run(q1)
+    torch.testing.assert_close(c, first, rtol=0, atol=0)  # right values on every call
+    if hasattr(impl, "_forward_mqa_kernel"):  # 0.33.0+
+        assert b.data_ptr() != c.data_ptr()
+        torch.testing.assert_close(b, b_values, rtol=0, atol=0)  # not overwritten by the next call
+    else:  # 0.26.0
+        assert b.data_ptr() == c.data_ptr()

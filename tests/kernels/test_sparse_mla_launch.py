@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+import triton
 
 import kernels.triton_sparse_mla as S
 from kernels.triton_mla_kv_cache import mla_kv_cache_write
@@ -128,7 +129,7 @@ def test_direct_launch_passes_the_kernel_signature(monkeypatch, splits, merge):
     (plan,) = S._PLANS.values()
     assert plan.merge == merge
     fk, fm = _FakeCompiled(), _FakeCompiled()
-    plan.kernel, plan.merge_kernel = fk, fm
+    S.bind_kernels(plan, fk, fm)  # no CudaLauncher: launched through run(), as Triton's path
     monkeypatch.setattr(S, "_raw_stream", lambda index: 1234)
     out, lse2 = S.sparse_mla_decode(q, cache8, idx, SCALE, "fp8", ks, lse=lse, num_splits=splits)
     assert lse2 is lse and out.shape == (T, H, 512)
@@ -170,6 +171,66 @@ def test_direct_launch_passes_the_kernel_signature(monkeypatch, splits, merge):
         assert got["plse_ptr"] - got["po_ptr"] == T * H * splits * 512 * 4 and got["po_ptr"] % 16 == 0
     else:
         assert not fm.calls
+    S._PLANS.clear()
+
+
+
+def _cuda_launcher(recorder, scratch: int = 0):
+    """A Triton CudaLauncher whose compiled C entry point is ``recorder`` (no CUDA needed)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    run = object.__new__(CudaLauncher)
+    run.launch = recorder
+    run.num_ctas = 1
+    run.global_scratch_size, run.global_scratch_align = scratch, 16
+    run.profile_scratch_size, run.profile_scratch_align = 0, 1
+    run.launch_cooperative_grid, run.launch_pdl = False, False
+    return run
+
+
+def test_launcher_calls_the_c_entry_point_as_triton_run_does():
+    """On Triton 3.6 the direct launch calls the launcher's C entry point with exactly the values
+    CompiledKernel.run (CudaLauncher.__call__) would pass it; a kernel that needs global scratch
+    (or another Triton) keeps run()."""
+    calls = []
+    rec = lambda *a: calls.append(a)  # noqa: E731
+    k = _FakeCompiled()
+    k.run = _cuda_launcher(rec)
+    args = (111, 222, 3, 4.5, True, 16)
+    k.run(7, 1, 1, 99, k.function, k.packed_metadata, None, None, None, *args)  # Triton's own path
+    launch, head = S.launcher(k)
+    if not S._c_launch_known():
+        assert launch is k.run
+        pytest.skip(f"Triton {triton.__version__}: direct launches go through run()")
+    assert launch is rec
+    launch(7, 1, 1, 99, *head, *args)
+    assert len(calls) == 2 and calls[0] == calls[1]
+    k2 = _FakeCompiled()
+    k2.run = _cuda_launcher(rec, scratch=64)
+    assert S.launcher(k2)[0] is k2.run
+
+
+def test_direct_launch_uses_the_stream_workspace_for_partials(monkeypatch):
+    """v1's split path takes its [po | plse] block from the stream's workspace (no allocation per
+    call): two calls on one stream pass the same partial pointers."""
+    S._PLANS.clear()
+    cache = _cache()
+    T, H, topk = 2, 5, 96
+    q = torch.randn((T, H, 576), device=DEVICE).to(DT)
+    idx = torch.randint(0, 48, (T, topk), dtype=torch.int32, device=DEVICE)
+    monkeypatch.setenv("GLM5_SPARSE_MLA_MERGE", "separate")
+    S.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=3)
+    (plan,) = S._PLANS.values()
+    fk, fm = _FakeCompiled(), _FakeCompiled()
+    S.bind_kernels(plan, fk, fm)
+    monkeypatch.setattr(S, "_raw_stream", lambda index: 4321)
+    for _ in range(2):
+        S.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=3)
+    names = S._sparse_mla_fwd_kernel.arg_names
+    a, b = (dict(zip(names, c[9:])) for c in fk.calls)
+    ws = S._WORKSPACES.pop((plan.dev_index, 4321))
+    assert a["po_ptr"] == b["po_ptr"] == ws.data_ptr() and ws.numel() >= plan.scratch_numel
+    assert a["plse_ptr"] == b["plse_ptr"] == ws.data_ptr() + plan.plse_offset
     S._PLANS.clear()
 
 

@@ -1215,3 +1215,114 @@ def test_v1_fallback_plans_once_per_key(monkeypatch, seed):
     lse = torch.full((T, H), float("nan"))  # a given lse is written and returned either way
     o4, l4 = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", lse=lse, return_lse=False)
     assert l4 is lse and torch.equal(lse, rl) and torch.equal(o4, ro)
+
+
+class _RecordingKernel:
+    """Stands in for a CompiledKernel (no CudaLauncher: launched through run()): records calls."""
+
+    def __init__(self):
+        self.calls = []
+        self.function = object()
+        self.packed_metadata = object()
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("T, kv_format, merge", [
+    (64, "fp8_ds_mla", None), (2, "fp8_ds_mla", "separate"), (2, "fp8_ds_mla", "fused"),
+    (2, "fp8", "separate"), (64, "fp8", None)])
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_v2_direct_launch_arguments(monkeypatch, T, kv_format, merge, given_lse):
+    """The direct launch passes the kernel's parameters in its signature's order, the same values
+    as kernel_args (the list the direct path was written from); the split partials and the LSE
+    sink (LSE not returned) come from the stream's workspace; a separate merge gets the same
+    partials. Plans of 8-head calls (4 splits or none), KEYS_M (64 rows) and not (2 rows), on a
+    CPU plan with recording kernels."""
+    if not v2.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(v2, "_device_props", lambda device: (9, 0, 132))
+    monkeypatch.setattr(v1, "_raw_stream", lambda index: 777)
+    if merge:
+        monkeypatch.setenv("GLM5_SPARSE_MLA_MERGE", merge)
+    H, topk = 8, 2048
+    W = 656 if kv_format == "fp8_ds_mla" else 576
+    q = torch.zeros((T, H, 576), dtype=torch.bfloat16)
+    cache = torch.zeros((64, 64, W), dtype=torch.uint8)
+    idx = torch.zeros((T, topk), dtype=torch.int32)
+    ks = torch.tensor([0.5]) if kv_format == "fp8" else None
+    lse = torch.empty((T, H)) if given_lse else None
+    p = v2._plan_v2(q, cache, idx, SCALE, None, lse, 4 if merge else 1, None, kv_format, ks)
+    assert (p.num_splits > 1) == bool(merge) and p.fused == (merge == "fused")
+    fk, fm = _RecordingKernel(), _RecordingKernel()
+    v1.bind_kernels(p, fk, fm if merge == "separate" else None)
+    out = torch.empty((T, H, 512), dtype=torch.bfloat16)
+    o, l = v2._launch_v2(p, q, cache, idx, out, lse, k_scale=ks, return_lse=False)
+    assert o is out and l is lse
+    (args,) = fk.calls
+    assert args[:9] == (p.grid[0], 1, 1, 777, fk.function, fk.packed_metadata, None, None, None)
+    kernel = v2._sparse_mla_v2_km_kernel if p.keys_m else v2._sparse_mla_v2_kernel
+    assert len(args) - 9 == len(kernel.arg_names)
+    got = dict(zip(kernel.arg_names, args[9:]))
+    ws = v1._WORKSPACES.pop((p.dev_index, 777))
+    lp = lse.data_ptr() if given_lse else ws.data_ptr() + p.ws_sink * 4
+    pp, plp = (ws.data_ptr(), ws.data_ptr() + p.ws_split_off) if p.num_splits > 1 else (out.data_ptr(), lp)
+    cntp = plp
+    if p.fused:
+        cntp = v1._COUNTERS.pop((p.dev_index, 777)).data_ptr()
+    ksp = ks.data_ptr() if p.kscale_from_ptr else lp
+    assert args[9:] == v2.kernel_args(p, q.data_ptr(), cache.data_ptr(), idx.data_ptr(), out.data_ptr(), lp, pp,
+                                      plp, cntp, ksp)
+    assert (got["q_ptr"], got["out_ptr"], got["lse_ptr"], got["po_ptr"], got["plse_ptr"]) == (
+        q.data_ptr(), out.data_ptr(), lp, pp, plp)
+    assert got["num_splits"] == p.num_splits and got["topk"] == topk and got["num_heads"] == H
+    if p.keys_m:
+        assert got["kscale_ptr"] == ksp and got["KSCALE_FROM_PTR"] == p.kscale_from_ptr
+    assert ws.numel() >= p.ws_numel and (p.ws_sink * 4) % 256 == 0
+    if merge == "separate":
+        (margs,) = fm.calls
+        mgot = dict(zip(v1._sparse_mla_merge_kernel.arg_names, margs[9:]))
+        assert len(margs) - 9 == len(v1._sparse_mla_merge_kernel.arg_names)
+        assert (mgot["po_ptr"], mgot["plse_ptr"], mgot["out_ptr"], mgot["lse_ptr"]) == (pp, plp, out.data_ptr(), lp)
+    else:
+        assert not fm.calls
+
+
+@pytest.mark.skipif(GPU, reason="CPU emulation (the GPU tests run the kernel itself)")
+def test_emulated_v2_reuse_out(emulated_v2, monkeypatch, seed):
+    """``reuse_out=True``: the output is the plan's view of the stream's buffer (the same tensor on
+    every call, nothing allocated), right on new inputs; plans of other shapes share the buffer;
+    outputs over REUSE_OUT_MAX_BYTES are allocated per call; v1's plans (here: 20 heads) too."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, bs, topk = 8, 16, 40
+    cache = _cpu_cache(nb, bs, torch.float16, gen)
+    monkeypatch.setattr(v1, "_OUTS", {})
+
+    def call(T, H, **kw):
+        q = torch.randn((T, H, 576), generator=gen).to(torch.float16)
+        idx = torch.randint(-5, nb * bs, (T, topk), generator=gen, dtype=torch.int32)
+        o, l = v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", return_lse=False, **kw)
+        ro, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+        assert l is None and ((o.double() - ro).norm() / ro.norm()).item() < TOL_ALL[q.dtype]
+        return o
+
+    a = call(3, 4, reuse_out=True)
+    b = call(3, 4, reuse_out=True)  # the cached plan: same view, new values
+    assert a is b
+    buf = v1._OUTS[torch.float16][(-1, 0)]
+    assert a.data_ptr() == buf.data_ptr() and a.shape == (3, 4, 512) and a.is_contiguous()
+    c = call(2, 4, reuse_out=True)  # another plan: its own view of the same buffer
+    assert c is not a and c.data_ptr() == buf.data_ptr()
+    assert call(3, 4).data_ptr() != buf.data_ptr()  # without reuse_out: allocated
+    monkeypatch.setattr(v1, "REUSE_OUT_MAX_BYTES", 3 * 4 * 512 * 2 - 2)
+    v2._PLANS_V2.clear()
+    d, e = call(3, 4, reuse_out=True), call(3, 4, reuse_out=True)  # over the limit: allocated per call
+    assert d is not e and buf.data_ptr() not in (d.data_ptr(), e.data_ptr())
+    monkeypatch.setattr(v1, "REUSE_OUT_MAX_BYTES", 64 << 20)
+    monkeypatch.setattr(v2, "v2_unsupported_reason", lambda *a, **k: "v1's turn")
+    v1._PLANS.clear()
+    f = call(2, 20, reuse_out=True)  # v1 (interpreter): planned and launched by v1 first (allocated)
+    g = call(2, 20, reuse_out=True)  # then v1's plan from v2's table, with the reused output
+    assert g is call(2, 20, reuse_out=True) and f is not g
+    assert g.data_ptr() == v1._OUTS[torch.float16][(-1, 0)].data_ptr()
+    v1._PLANS.clear()

@@ -323,6 +323,7 @@ class TritonMLASparseImpl(
         kv_cache: torch.Tensor,
         indices: torch.Tensor,
         layer: AttentionLayer,
+        reuse_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # v2 (Gluon: one staging of each KV tile, cp.async ring) for fp8_ds_mla with <= 16
         # heads (TP8 / TP4) on SM8x/SM9x/SM12x, and for the bf16 and fp8 caches on SM90 from 4
@@ -334,7 +335,9 @@ class TritonMLASparseImpl(
             # T * H * 1152 bytes, small next to the KV the kernel streams.
             q = torch.cat(q, dim=-1)
         # the LSE only where vLLM uses it (decode context parallelism): otherwise the kernel
-        # writes it to a per-stream sink and no tensor is allocated for it
+        # writes it to a per-stream sink and no tensor is allocated for it. reuse_out: the
+        # output is a view of a per-stream buffer, valid until the next such call on the stream
+        # (the caller says when its output is consumed before that: see compat).
         return sparse_mla_decode_v2(
             q,
             kv_cache,
@@ -343,4 +346,5 @@ class TritonMLASparseImpl(
             self.kv_format,
             k_scale=layer._k_scale if self._per_tensor_k_scale else None,
             return_lse=bool(self.need_to_return_lse_for_decode),
+            reuse_out=reuse_out,
         )

@@ -111,7 +111,10 @@ class ImplConvertsTopk:
                 BLOCK_SIZE=attn_metadata.block_size,
                 NUM_TOPK_TOKENS=topk_indices.shape[1],
             )
-        return self._run_kernel(q, kv_c_and_k_pe_cache, indices, layer)
+        # the layer's only attention call: MLA's forward consumes its output (DCP's LSE
+        # correction, the v up-projection) before it returns, so the output can be the
+        # stream's reused buffer
+        return self._run_kernel(q, kv_c_and_k_pe_cache, indices, layer, reuse_out=True)
 
 
 class BaseConvertsTopk:
@@ -133,7 +136,9 @@ class BaseConvertsTopk:
         from vllm.v1.attention.backends.mla.sparse_utils import flat_kv_row_view
 
         rows, _ = flat_kv_row_view(kv_cache, block_size)
-        # [num_rows, 1, W]: one row per "block", so slot == row index.
+        # [num_rows, 1, W]: one row per "block", so slot == row index. A new output per call:
+        # 0.34.0's HiSparse path calls this twice per layer (decode rows, then prefill rows)
+        # and concatenates the two outputs, so a reused buffer would be overwritten.
         return self._run_kernel(q, rows.unsqueeze(1), topk_indices, layer)
 
 
