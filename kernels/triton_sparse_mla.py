@@ -542,11 +542,12 @@ def _workspace(device, dev_index: int, stream: int, n: int) -> torch.Tensor:
 
 # Per-(dtype, device, stream) output buffers of calls that ask for a reused output (``reuse_out``:
 # vLLM's backend, whose caller consumes the attention output before its next attention call on the
-# stream). Each plan keeps its view of the buffer per stream, so such a call allocates nothing; a
-# buffer is never freed (a captured graph keeps its pointer; a plan's view keeps an outgrown one).
-# Outputs over REUSE_OUT_MAX_BYTES are allocated per call: the kernel then runs for milliseconds
-# and the allocation's host time is hidden behind it.
-REUSE_OUT_MAX_BYTES = 64 << 20
+# stream). Each plan keeps its view of the buffer per stream, so such a call allocates nothing. A
+# buffer is made once at REUSE_OUT_MAX_BYTES and never freed (a captured graph keeps its pointer):
+# 4 MiB per stream covers decode batches (bf16: T x H <= 4096, e.g. 512 rows at 8 heads); larger
+# outputs are allocated per call, where the kernel runs long enough to hide that host time and the
+# caching allocator reuses what vLLM's memory profiling counted.
+REUSE_OUT_MAX_BYTES = 4 << 20
 _OUTS: dict = {}
 _RETIRED_OUTS: list = []
 
@@ -559,7 +560,8 @@ def reused_output(views: dict, device, dev_index: int, stream: int, shape: tuple
         n = 1
         for d in shape:
             n *= d
-        buf = _stream_buffer(_OUTS.setdefault(dtype, {}), _RETIRED_OUTS, device, dev_index, stream, n, dtype, 4096)
+        elems = max(n, REUSE_OUT_MAX_BYTES // torch.empty((), dtype=dtype).element_size())  # made once, full size
+        buf = _stream_buffer(_OUTS.setdefault(dtype, {}), _RETIRED_OUTS, device, dev_index, stream, n, dtype, elems)
         v = views[stream] = buf[:n].view(shape)
     return v
 

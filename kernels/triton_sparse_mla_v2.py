@@ -1639,11 +1639,11 @@ def sparse_mla_decode_v2(
     ``fallback=False`` raises ``NotImplementedError`` (with the reason) instead of calling v1.
     ``return_lse=False`` with no ``lse`` given returns ``(out, None)``: the v2 path then writes the
     LSE into a per-stream sink instead of allocating it (host time; the backend asks for the LSE
-    only under decode context parallelism). ``reuse_out=True`` with no ``out`` given writes the
-    output into a per-(device, stream) buffer instead of allocating it (up to
-    ``REUSE_OUT_MAX_BYTES``): the result is then valid until the next ``reuse_out`` call on the same
-    stream, which is how vLLM's backend uses it (the output is consumed before the next layer's
-    attention).
+    only under decode context parallelism). ``reuse_out=True`` with no ``out`` given writes an
+    output of up to ``REUSE_OUT_MAX_BYTES`` (4 MiB) into a per-(device, stream) buffer instead of
+    allocating it: the result is then valid only until the next ``reuse_out`` call on the same
+    stream, which is how vLLM 0.26.0's backend uses it (MLA's forward consumes the output before
+    the next layer's attention).
 
     Host cost: the support check, validation and launch plan are worked out once per key (v1's
     ``_plan_key``: shapes, strides, dtypes, devices, scalars, 16-byte alignment); later calls with

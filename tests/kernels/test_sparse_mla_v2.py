@@ -1311,6 +1311,7 @@ def test_emulated_v2_reuse_out(emulated_v2, monkeypatch, seed):
     assert a is b
     buf = v1._OUTS[torch.float16][(-1, 0)]
     assert a.data_ptr() == buf.data_ptr() and a.shape == (3, 4, 512) and a.is_contiguous()
+    assert buf.numel() * 2 == v1.REUSE_OUT_MAX_BYTES  # made once at full size: never grown, nothing retired
     c = call(2, 4, reuse_out=True)  # another plan: its own view of the same buffer
     assert c is not a and c.data_ptr() == buf.data_ptr()
     assert call(3, 4).data_ptr() != buf.data_ptr()  # without reuse_out: allocated
