@@ -1455,6 +1455,9 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     _v1.bind_kernels(p, None, None)
     p.out_views = {}  # stream -> the reused output's view (reuse_out)
     p.reuse_out = T * H * LATENT_DIM * q.element_size() <= _v1.REUSE_OUT_MAX_BYTES
+    p.dev_index = -1  # CPU: the emulated kernel in the tests
+    if q.is_cuda:
+        p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if p.empty:
         return p
     major, _, num_sms = _device_props(q.device)
@@ -1518,9 +1521,6 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     p.merge_consts = (block_s, block_d)
     p.merge_tail = (H, p.num_splits, ost[0], ost[1], ost[2], lst[0], lst[1])
     p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps)
-    p.dev_index = -1  # CPU: the emulated kernel in the tests
-    if q.is_cuda:
-        p.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     # the direct launch's arguments after the eight pointers, minus the fp8 scale's pointer (see kernel_args)
     p.args_tail = (*p.tail, p.v_scale) if p.keys_m else (*p.tail, *p.consts)
     p.ws_split_off = T * H * p.num_splits * LATENT_DIM * 4  # byte offset of the partial LSEs

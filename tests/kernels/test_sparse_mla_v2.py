@@ -1315,6 +1315,12 @@ def test_emulated_v2_reuse_out(emulated_v2, monkeypatch, seed):
     c = call(2, 4, reuse_out=True)  # another plan: its own view of the same buffer
     assert c is not a and c.data_ptr() == buf.data_ptr()
     assert call(3, 4).data_ptr() != buf.data_ptr()  # without reuse_out: allocated
+    for T, k in ((0, topk), (2, 0)):  # no rows / no keys: zeros (and no kernel), reused output too
+        q0 = torch.randn((T, 4, 576), generator=gen).to(torch.float16)
+        idx0 = torch.zeros((T, k), dtype=torch.int32)
+        for _ in range(2):
+            o0, _ = v2.sparse_mla_decode_v2(q0, cache, idx0, SCALE, "fp8_ds_mla", return_lse=False, reuse_out=True)
+            assert o0.shape == (T, 4, 512) and not o0.any()
     monkeypatch.setattr(v1, "REUSE_OUT_MAX_BYTES", 3 * 4 * 512 * 2 - 2)
     v2._PLANS_V2.clear()
     d, e = call(3, 4, reuse_out=True), call(3, 4, reuse_out=True)  # over the limit: allocated per call
