@@ -13,6 +13,7 @@ import triton
 
 import kernels.triton_sparse_mla as S
 from kernels.triton_mla_kv_cache import mla_kv_cache_write
+from tests.kernels.fake_compiled import FakeCompiled
 from tests.triton_interpreter import DEVICE
 
 SCALE = 256 ** -0.5
@@ -99,16 +100,6 @@ def test_uncached_calls_validate_every_time(count_plans, seed):
         S.sparse_mla_decode(q, mis, idx, SCALE, "fp8_ds_mla")
 
 
-class _FakeCompiled:
-    """Stands in for a CompiledKernel: records what a direct launch passes."""
-
-    def __init__(self):
-        self.calls = []
-        self.function = object()
-        self.packed_metadata = object()
-
-    def run(self, *args):
-        self.calls.append(args)
 
 
 @pytest.mark.parametrize("splits, merge", [(1, None), (3, "separate"), (3, "fused")])
@@ -128,7 +119,7 @@ def test_direct_launch_passes_the_kernel_signature(monkeypatch, splits, merge):
     S.sparse_mla_decode(q, cache8, idx, SCALE, "fp8", ks, lse=lse, num_splits=splits)  # plans + JIT launch
     (plan,) = S._PLANS.values()
     assert plan.merge == merge
-    fk, fm = _FakeCompiled(), _FakeCompiled()
+    fk, fm = FakeCompiled(), FakeCompiled()
     S.bind_kernels(plan, fk, fm)  # no CudaLauncher: launched through run(), as Triton's path
     monkeypatch.setattr(S, "_raw_stream", lambda index: 1234)
     out, lse2 = S.sparse_mla_decode(q, cache8, idx, SCALE, "fp8", ks, lse=lse, num_splits=splits)
@@ -194,7 +185,7 @@ def test_launcher_calls_the_c_entry_point_as_triton_run_does():
     (or another Triton) keeps run()."""
     calls = []
     rec = lambda *a: calls.append(a)  # noqa: E731
-    k = _FakeCompiled()
+    k = FakeCompiled()
     k.run = _cuda_launcher(rec)
     args = (111, 222, 3, 4.5, True, 16)
     k.run(7, 1, 1, 99, k.function, k.packed_metadata, None, None, None, *args)  # Triton's own path
@@ -205,7 +196,7 @@ def test_launcher_calls_the_c_entry_point_as_triton_run_does():
     assert launch is rec
     launch(7, 1, 1, 99, *head, *args)
     assert len(calls) == 2 and calls[0] == calls[1]
-    k2 = _FakeCompiled()
+    k2 = FakeCompiled()
     k2.run = _cuda_launcher(rec, scratch=64)
     assert S.launcher(k2)[0] is k2.run
 
@@ -221,7 +212,7 @@ def test_direct_launch_uses_the_stream_workspace_for_partials(monkeypatch):
     monkeypatch.setenv("GLM5_SPARSE_MLA_MERGE", "separate")
     S.sparse_mla_decode(q, cache, idx, SCALE, "fp8_ds_mla", num_splits=3)
     (plan,) = S._PLANS.values()
-    fk, fm = _FakeCompiled(), _FakeCompiled()
+    fk, fm = FakeCompiled(), FakeCompiled()
     S.bind_kernels(plan, fk, fm)
     monkeypatch.setattr(S, "_raw_stream", lambda index: 4321)
     for _ in range(2):

@@ -23,6 +23,7 @@ import triton
 from kernels import triton_sparse_mla as v1
 from kernels import triton_sparse_mla_v2 as v2
 from kernels.triton_mla_kv_cache import mla_kv_cache_write
+from tests.kernels.fake_compiled import FakeCompiled
 from tests.triton_interpreter import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -909,6 +910,23 @@ def test_gpu_v2_matches_v1(seed):
     assert rel.max().item() < 2e-2 and (l1 - l2).abs().max().item() < TOL_LSE[torch.bfloat16]
 
 
+def _replay_checked(g, q, cache, idx, slots_end, out, lse=None):
+    """New random q and indices (in -10 .. slots_end) in the captured buffers, NaN-poisoned outputs,
+    one replay of graph ``g``, then out (and lse) against float64 (fp8_ds_mla, bf16 bounds)."""
+    q.copy_(torch.randn(q.shape, device=q.device).to(q.dtype))
+    idx.copy_(torch.randint(-10, slots_end, idx.shape, device=idx.device, dtype=torch.int32))
+    out.fill_(float("nan"))
+    if lse is not None:
+        lse.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
+    rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
+    assert rel.max().item() < TOL_HEAD[torch.bfloat16]
+    if lse is not None:
+        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+
+
 @pytest.mark.gpu
 def test_gpu_v2_cuda_graph_capture(seed):
     nb, bs, T, H = 256, 64, 2, 8
@@ -923,16 +941,7 @@ def test_gpu_v2_cuda_graph_capture(seed):
     with torch.cuda.graph(g):
         v2.sparse_mla_decode_v2(q, cache, idx, SCALE, "fp8_ds_mla", out=out, lse=lse, fallback=False)
     for _ in range(2):  # new data in the same buffers
-        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
-        idx.copy_(torch.randint(-10, nb * bs, idx.shape, device="cuda", dtype=torch.int32))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ro, rl = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-        rel = (out.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
-        assert rel.max().item() < TOL_HEAD[torch.bfloat16]
-        assert (lse.double() - rl).abs().max().item() < TOL_LSE[torch.bfloat16]
+        _replay_checked(g, q, cache, idx, nb * bs, out, lse)
 
 
 @pytest.mark.gpu
@@ -1217,18 +1226,6 @@ def test_v1_fallback_plans_once_per_key(monkeypatch, seed):
     assert l4 is lse and torch.equal(lse, rl) and torch.equal(o4, ro)
 
 
-class _RecordingKernel:
-    """Stands in for a CompiledKernel (no CudaLauncher: launched through run()): records calls."""
-
-    def __init__(self):
-        self.calls = []
-        self.function = object()
-        self.packed_metadata = object()
-
-    def run(self, *args):
-        self.calls.append(args)
-
-
 @pytest.mark.parametrize("T, kv_format, merge", [
     (64, "fp8_ds_mla", None), (2, "fp8_ds_mla", "separate"), (2, "fp8_ds_mla", "fused"),
     (2, "fp8", "separate"), (64, "fp8", None)])
@@ -1254,7 +1251,7 @@ def test_v2_direct_launch_arguments(monkeypatch, T, kv_format, merge, given_lse)
     lse = torch.empty((T, H)) if given_lse else None
     p = v2._plan_v2(q, cache, idx, SCALE, None, lse, 4 if merge else 1, None, kv_format, ks)
     assert (p.num_splits > 1) == bool(merge) and p.fused == (merge == "fused")
-    fk, fm = _RecordingKernel(), _RecordingKernel()
+    fk, fm = FakeCompiled(), FakeCompiled()
     v1.bind_kernels(p, fk, fm if merge == "separate" else None)
     out = torch.empty((T, H, 512), dtype=torch.bfloat16)
     o, l = v2._launch_v2(p, q, cache, idx, out, lse, k_scale=ks, return_lse=False)
@@ -1370,14 +1367,7 @@ def test_gpu_reuse_out_direct_and_captured(T, H, seed):
     with torch.cuda.graph(g, stream=s):
         captured = call(reuse_out=True)
     for _ in range(2):
-        q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
-        idx.copy_(torch.randint(-10, nb * bs + 10, idx.shape, device="cuda", dtype=torch.int32))
-        captured.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ro, _ = v2.sparse_mla_decode_reference(q, cache, idx, SCALE, "fp8_ds_mla")
-        rel = (captured.double() - ro).norm(dim=-1) / ro.norm(dim=-1)
-        assert rel.max().item() < TOL_HEAD[torch.bfloat16]
+        _replay_checked(g, q, cache, idx, nb * bs + 10, captured)
         assert torch.equal(call(), captured)  # an eager allocating call agrees bit for bit
     v2._PLANS_V2.clear()
     v1._PLANS.clear()
