@@ -553,16 +553,14 @@ _RETIRED_OUTS: list = []
 
 
 def reused_output(views: dict, device, dev_index: int, stream: int, shape: tuple, dtype) -> torch.Tensor:
-    """The plan's view (``views``: stream -> tensor) of the stream's output buffer of ``dtype``,
-    made on first use."""
-    v = views.get(stream)
-    if v is None:
-        n = 1
-        for d in shape:
-            n *= d
-        elems = max(n, REUSE_OUT_MAX_BYTES // torch.empty((), dtype=dtype).element_size())  # made once, full size
-        buf = _stream_buffer(_OUTS.setdefault(dtype, {}), _RETIRED_OUTS, device, dev_index, stream, n, dtype, elems)
-        v = views[stream] = buf[:n].view(shape)
+    """Make and keep in ``views`` (a plan's stream -> tensor) its view of the stream's output
+    buffer of ``dtype``; callers look ``views`` up first (the per-call path)."""
+    n = 1
+    for d in shape:
+        n *= d
+    elems = max(n, REUSE_OUT_MAX_BYTES // dtype.itemsize)  # the buffer is made once, at full size
+    buf = _stream_buffer(_OUTS.setdefault(dtype, {}), _RETIRED_OUTS, device, dev_index, stream, n, dtype, elems)
+    v = views[stream] = buf[:n].view(shape)
     return v
 
 
@@ -781,6 +779,7 @@ def _compiled(k):
 
 
 def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bool, reuse_out: bool = False):
+    stream = None
     if out is None:
         if reuse_out and p.reuse_out:  # v2's reuse_out (sparse_mla_decode_v2's v1 calls)
             stream = _raw_stream(p.dev_index) if p.dev_index >= 0 else 0
@@ -800,7 +799,8 @@ def _launch(p: _Plan, q, kv_cache, indices, k_scale, out, lse, cache_kernels: bo
         # split path's partial results live in the stream's workspace: [po | plse].
         lp = lse.data_ptr()
         op = out.data_ptr()
-        stream = _raw_stream(p.dev_index)
+        if stream is None:
+            stream = _raw_stream(p.dev_index)
         if p.split:
             pp = _workspace(p.device, p.dev_index, stream, p.scratch_numel).data_ptr()
             plp = pp + p.plse_offset

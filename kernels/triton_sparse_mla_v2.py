@@ -1521,7 +1521,8 @@ def _plan_v2(q, kv_cache, indices, softmax_scale, out, lse, num_splits, config,
     p.merge_consts = (block_s, block_d)
     p.merge_tail = (H, p.num_splits, ost[0], ost[1], ost[2], lst[0], lst[1])
     p.merge_meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps)
-    # the direct launch's arguments after the eight pointers, minus the fp8 scale's pointer (see kernel_args)
+    # the kernel's arguments after the eight pointers: to the fp8 scale's pointer for KEYS_M (which
+    # takes v_scale, then that pointer, then its constexprs), else to the end (kernel_args)
     p.args_tail = (*p.tail, p.v_scale) if p.keys_m else (*p.tail, *p.consts)
     p.ws_split_off = T * H * p.num_splits * LATENT_DIM * 4  # byte offset of the partial LSEs
     return p
@@ -1531,10 +1532,11 @@ def kernel_args(p: _PlanV2, qp: int, kvp: int, idxp: int, op: int, lp: int, pp: 
                 ksp: int) -> tuple:
     """The direct launch's argument list of a plan's kernel (pointers as integers; ``cntp`` /
     ``ksp``: the counters and the fp8 scale, any valid pointer where unused), in the kernel's
-    parameter order: the KEYS_M kernel takes the fp8 scale's two parameters before its constexprs."""
+    parameter order (``p.args_tail``, then for the KEYS_M kernel its fp8 scale pointer and the
+    constexprs); the direct launch passes the same list without building this tuple."""
     if p.keys_m:
-        return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.tail, p.v_scale, ksp, *p.consts)
-    return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.tail, *p.consts)
+        return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.args_tail, ksp, *p.consts)
+    return (qp, kvp, idxp, op, lp, pp, plp, cntp, *p.args_tail)
 
 
 def _launch_v2(p: _PlanV2, q, kv_cache, indices, out, lse, cache_kernels: bool = False, k_scale=None,
