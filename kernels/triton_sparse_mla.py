@@ -750,8 +750,9 @@ def launcher(k) -> tuple:
 
     On Triton 3.6's CUDA launcher, for a kernel that needs no global or profile scratch (one CTA
     per cluster), ``launch`` is the launcher's C entry point itself: ``CompiledKernel.run`` would
-    only add a Python frame that allocates no scratch and passes the same values (~0.7 us a
-    launch of host time). Otherwise ``launch`` is ``k.run``, as Triton's own path calls it."""
+    only add a Python frame that allocates no scratch and passes the same values (its host time:
+    ``kernel_run`` against ``kernel_launch`` in bench/host_breakdown.py). Otherwise ``launch`` is
+    ``k.run``, as Triton's own path calls it."""
     run = k.run
     if _c_launch_known():
         from triton.backends.nvidia.driver import CudaLauncher
