@@ -35,7 +35,10 @@ so it ranks configurations, it does not predict SM120 times.
 ``--rows16``: at the largest context, the same indices over a bf16 pool (1152-byte rows): v1 and
 each ``ROWS16_CONFIGS`` entry of v2, checked against float64 and timed (``bf16_us`` per record,
 ``bf16_bytes`` the rows' bytes); ``--rows8`` the same over an fp8 pool (576-byte rows, per-tensor
-scale as a device tensor): v1 and each ``ROWS8_CONFIGS`` entry (``fp8_us``, ``fp8_bytes``).
+scale as a device tensor): v1 and each ``ROWS8_CONFIGS`` entry (``fp8_us``, ``fp8_bytes``). Above 8
+heads both also time the 16-head KEYS_M config of their row format (``KEYS_M_H16_CONFIGS``, arm
+``rows16_H16_...`` / ``rows8_H16_...``: each tile converted once for 16 heads, where the 8-head
+blocks of the dispatch convert it twice).
 
 Writes ``$OUT/sparse_mla_v2_h200.json`` (``..._sm120proxy.json`` with ``--sm120-proxy``, ``..._sm120occupancy.json`` with both; ``OUT``
 defaults to ``bench/results``) with the command,
@@ -323,8 +326,9 @@ FP8_K_SCALE = 0.01  # the fp8 pool's per-tensor scale (a device tensor, as vLLM 
 def rows_point(rec, sets, H, T, dev, failures, checks, fmt="bfloat16"):
     """Another cache format at the same indices: the bf16 format (1152-byte rows: v1 and each
     ROWS16 config of v2, KEYS_M over 16-bit rows) or the fp8 format (576-byte rows with a
-    per-tensor scale: v1 and each ROWS8 config), checked once against float64, then timed like the
-    rest; ``<key>_us`` per arm and ``<key>_bytes`` (KV bytes the point reads) in the record."""
+    per-tensor scale: v1 and each ROWS8 config), above 8 heads also the 16-head KEYS_M config of
+    that row format (``KEYS_M_H16_CONFIGS``, key ``..._H16_...``), checked once against float64,
+    then timed like the rest; ``<key>_us`` per arm and ``<key>_bytes`` (KV bytes the point reads) in the record."""
     key, row_bytes, table, flag = ROW_FORMATS[fmt]
     if fmt not in _POOL16:  # same geometry as the fp8_ds_mla pool, so the indices carry over
         gen = torch.Generator(device=dev).manual_seed(5)
@@ -342,9 +346,15 @@ def rows_point(rec, sets, H, T, dev, failures, checks, fmt="bfloat16"):
     q, idx, out, lse = sets[0]
     ro, rl = v1.sparse_mla_decode_reference(q, pool, idx, SCALE, fmt, ks)
     calls = {"v1": lambda s, c=None: v1.sparse_mla_decode(s[0], pool, s[1], SCALE, fmt, ks, out=s[2], lse=s[3])}
-    for c in getattr(v2, table):
-        if v2.shared_bytes_v2(c["BLOCK_N"], ring=c.get("RING", 2), keys_m=True, **{flag: True}) <= optin:
-            calls[f"{flag}_BN{c['BLOCK_N']}_w{c['NUM_WARPS']}"] = (
+    # 8-head-block configs, and above 8 heads the 16-head KEYS_M of the same row format (each tile
+    # converted once for 16 heads instead of once per 8-head block)
+    table_configs = list(getattr(v2, table))
+    if H > 8:
+        table_configs += [c for c in v2.KEYS_M_H16_CONFIGS if c.get(flag.upper())]
+    for c in table_configs:
+        if v2.config_shared_bytes(c) <= optin:
+            h16 = "_H16" if c.get("WARPS_H", 1) > 1 else ""
+            calls[f"{flag}{h16}_BN{c['BLOCK_N']}_w{c['NUM_WARPS']}"] = (
                 lambda s, c=c: v2.sparse_mla_decode_v2(s[0], pool, s[1], SCALE, fmt, ks, out=s[2], lse=s[3],
                                                        config=dict(c), fallback=False))
     res = {}
@@ -395,7 +405,11 @@ def main(argv=None) -> int:
                          "every timed point are still checked; for a short call)")
     ap.add_argument("--sweep-all-t", action="store_true",
                     help="time the tuning sweep at every T of the largest context (default: T 1, 32, 128)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no tuning sweep (for a short call that times other arms, e.g. --rows8 / --rows16)")
     args = ap.parse_args(argv)
+    if args.no_sweep and args.sweep_all_t:
+        ap.error("--no-sweep and --sweep-all-t contradict each other")
     if args.sm120_occupancy and not args.sm120_proxy:
         ap.error("--sm120-occupancy needs --sm120-proxy (SM120's configurations and split policy)")
     _OCCUPANCY["on"] = bool(args.sm120_occupancy)
@@ -539,7 +553,8 @@ def main(argv=None) -> int:
                         c1 = v1cfg(H, T)
                         rec["v1_us"] = time_graph([(lambda s=s: v1.sparse_mla_decode(
                             s[0], pool, s[1], SCALE, "fp8_ds_mla", out=s[2], lse=s[3], config=c1)) for s in sets])
-                        if reason is None and ctx == max(ctxs) and (args.sweep_all_t or T in (1, 32, 128)):
+                        if (reason is None and ctx == max(ctxs) and not args.no_sweep
+                                and (args.sweep_all_t or T in (1, 32, 128))):
                             # tuning data: forced tile configs and split policies next to the dispatch
                             sweep = {}
                             # variants of the 16-head-block kernel from its defaults (the
