@@ -63,6 +63,7 @@ benchmarks) and inside the patched vLLM tree (``vllm/v1/attention/ops/triton_dsa
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import warnings
@@ -70,6 +71,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _knobs
 
 __all__ = [
     "top_k_per_row_prefill",
@@ -1021,6 +1023,12 @@ def call_coop(cfg: dict, k: int, max_seq_len: int, rows: int, num_sms: int) -> t
 
 
 def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **overrides):
+    key = p = None
+    if not overrides:
+        key = _plan_key(logits, a, b, out, next_n, k, mode, max_seq_len, scratch)
+        p = _PLANS.get(key) if key is not None else None
+        if p is not None and _hooks_off() and _launch_direct(p, logits, a, b, out, next_n, scratch):
+            return out
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
     if logits.dim() != 2:
@@ -1044,23 +1052,152 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
+    plan = p if p is not None else _TopkPlan(rows, sms, k, cfg,
+                                             _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps))
     coop = call_coop(cfg, k, max_seq_len, rows, sms)
-    if coop is not None and _coop_refusal_key(logits.device, rows, coop) not in _COOP_REFUSED:
-        if _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms):
+    if coop is not None and plan.coop is None:
+        plan.coop, plan.coop_key = coop, _coop_refusal_key(logits.device, rows, coop)
+        plan.coop_launch = coop_launch(k, mode, cfg, coop)
+    if coop is not None and plan.coop_key not in _COOP_REFUSED:
+        ok, ck = _launch_coop(logits, a, b if b is not None else a, out, next_n, k, mode, cfg, coop, on_gpu, sms)
+        if ok:
+            # the plan is kept with what has compiled so far; a later call of the key that must
+            # take the other path (a capturing stream before the cooperative state exists, a
+            # refusal) comes back here once to compile and add it
+            if plan.coop_direct is None:
+                plan.coop_direct = _direct_entry(plan.coop_launch[0], ck, (rows, coop[0]), plan.coop_launch[1])
+            if key is not None and plan.coop_direct is not None:
+                _remember(key, plan)
             return out
-    lay = _scratch_layout(rows, k, cap, split)
-    if cfg["SHORT"]:  # no scratch (the kernel takes the same pointer arguments and ignores them)
+    lay = plan.lay
+    if plan.short:  # no scratch (the kernel takes the same pointer arguments and ignores them)
         bufs = [out] * (len(lay) - 1)
     else:
-        scratch = _as_int32_scratch(scratch)
-        if scratch is None or scratch.numel() < lay["total"]:
-            scratch = torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
+        sc = _as_int32_scratch(scratch)
+        plan.scratch_ok = sc is not None and sc.numel() >= lay["total"]
+        scratch = sc if plan.scratch_ok else torch.empty(lay["total"], dtype=torch.int32, device=logits.device)
         bufs = [scratch[v[0]:v[0] + v[1]] for name, v in lay.items() if name != "total"]
     b = b if b is not None else a
     common = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), *bufs)
-    for kern, consts, nw in _launch_plan(cfg, k, mode, max_seq_len, num_warps, merge_warps):
-        kern[(rows, split) if kern is _topk_segment_kernel else (rows,)](*common, **consts, num_warps=nw)
+    entries = []
+    for kern, consts, nw in plan.launches:
+        grid = (rows, split) if kern is _topk_segment_kernel else (rows, 1)
+        ck = kern[grid](*common, **consts, num_warps=nw)
+        entries.append(_direct_entry(kern, ck, grid, consts))
+    if all(e is not None for e in entries):  # compiled kernels (never in the interpreter)
+        plan.direct = entries
+        if key is not None:
+            _remember(key, plan)
     return out
+
+
+# Host side of a call (issue 12 via issue 11's "launch cost"): vLLM's piecewise CUDA graphs run the
+# indexer eagerly for prefill and mixed batches, once per layer. A call's validation, dispatch
+# (topk_config), scratch layout and Triton's JIT binding / specialization are worked out once per
+# key (every tensor's shape, strides, dtype, device and 16-byte alignment, and the scalars: all the
+# kernels specialize on); later calls with the key launch the compiled kernels directly with
+# pointers as integers. Calls with overrides (tuning), a launch hook (profilers) or a misaligned
+# pointer take the path above every time. A cooperative plan also holds the segment / short
+# launches that calls of its shape take when the cooperative one cannot run.
+_PLANS: dict = {}
+_PLANS_MAX = 512
+
+
+class _TopkPlan:
+    __slots__ = ("rows", "num_sms", "split", "lay", "launches", "short", "scratch_ok", "direct",
+                 "coop", "coop_key", "coop_launch", "coop_direct")
+
+    def __init__(self, rows: int, num_sms: int, k: int, cfg: dict, launches: list):
+        self.rows, self.num_sms, self.split = rows, num_sms, cfg["SPLIT"]
+        self.lay = _scratch_layout(rows, k, cfg["CAP"], cfg["SPLIT"])
+        self.launches, self.short = launches, bool(cfg["SHORT"])
+        self.scratch_ok, self.direct = False, None
+        self.coop = self.coop_key = self.coop_launch = self.coop_direct = None
+
+
+def _plan_key(logits, a, b, out, next_n, k, mode, max_seq_len, scratch):
+    """The plan-cache key of a call, or None (a pointer that is not 16-byte aligned: Triton
+    specializes the kernels on pointer alignment)."""
+    ptrs = logits.data_ptr() | a.data_ptr() | out.data_ptr()
+    kb = ks = None
+    if b is not None:
+        ptrs |= b.data_ptr()
+        kb = (b.shape, b.stride(), b.dtype, b.device)
+    if scratch is not None:
+        ptrs |= scratch.data_ptr()
+        ks = (scratch.shape, scratch.stride(), scratch.dtype, scratch.device)
+    if ptrs & 15:
+        return None
+    return (logits.shape, logits.stride(), logits.dtype, logits.device, a.shape, a.stride(), a.dtype, a.device, kb,
+            out.shape, out.stride(), out.dtype, out.device, next_n, k, mode, max_seq_len, ks)
+
+
+def _remember(key, plan) -> None:
+    if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # shapes follow the batch: bounded, oldest out
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+
+
+def _hooks_off() -> bool:
+    """No Triton launch hook is registered (profilers add one: then launches take Triton's path)."""
+    rt = _knobs.runtime
+    return not any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _direct_entry(fn, ck, grid: tuple, consts: dict):
+    """``(run, head, grid, tail)`` to launch the compiled kernel ``ck`` of ``fn`` again without
+    Triton's JIT path: ``run(gx, gy, 1, stream, *head, *positional_args, *tail)``, ``tail`` the
+    constexpr values in the signature's order (defaults where not given), as Triton's own
+    ``CompiledKernel.run`` call passes them. None where ``ck`` is no compiled kernel (interpreter)."""
+    if ck is not None and hasattr(ck, "result") and not hasattr(ck, "packed_metadata"):
+        ck = ck.result()
+    if not (hasattr(ck, "packed_metadata") and hasattr(ck, "function")):
+        return None
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    first = min(i for i, n in enumerate(names) if n in consts)
+    tail = tuple(consts[n] if n in consts else params[n].default for n in names[first:])
+    return ck.run, (ck.function, ck.packed_metadata, None, None, None), grid, tail
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as the raw handle Triton launches on."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _launch_direct(p: _TopkPlan, logits, a, b, out, next_n, scratch) -> bool:
+    """Launch a planned call's compiled kernels; False (nothing launched) where the path this call
+    must take has not been compiled yet (the caller then takes Triton's path once)."""
+    stream = _raw_stream(logits.device.index or 0)
+    lp, ap, op = logits.data_ptr(), a.data_ptr(), out.data_ptr()
+    bp = b.data_ptr() if b is not None else ap
+    head = (lp, logits.stride(0), logits.stride(1), ap, bp, next_n, op, out.stride(0))
+    if p.coop is not None and p.coop_key not in _COOP_REFUSED:
+        buf = _coop_buffer(logits.device, p.num_sms)
+        if buf is not None:
+            if p.coop_direct is None:
+                return False
+            run, h, grid, tail = p.coop_direct
+            sp = buf.data_ptr()
+            try:
+                run(grid[0], grid[1], 1, stream, *h, *head, sp, sp + 4 * p.rows * _COOP_STATE, 0, _COOP_PHASES, *tail)
+                return True
+            except RuntimeError as e:  # refused: as in _launch_coop, then the other path
+                if "cooperative" not in str(e).lower():
+                    raise
+                _refused(p.coop_key, p.rows, p.coop, e)
+    if p.direct is None:
+        return False
+    if p.short:
+        bufs = (op,) * (len(p.lay) - 1)
+    else:  # the caller's scratch where it holds the layout, else one allocated for this call
+        if not p.scratch_ok:
+            scratch = torch.empty(p.lay["total"], dtype=torch.int32, device=logits.device)
+        sp = scratch.data_ptr()
+        bufs = tuple(sp + 4 * v[0] for name, v in p.lay.items() if name != "total")
+    for run, h, grid, tail in p.direct:
+        run(grid[0], grid[1], 1, stream, *h, *head, *bufs, *tail)
+    return True
 
 
 # Per-(device, stream) zeroed state of the cooperative select (the row histograms and counters,
@@ -1114,33 +1251,39 @@ def _coop_refusal_key(device: torch.device, rows: int, coop: tuple[int, int]) ->
     return (device.index or 0, rows * coop[0], coop[1])
 
 
-def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> bool:
-    """Run the cooperative select; False (nothing launched) where the driver refused the
-    cooperative launch (then the caller takes the other path; warned once per grid size) or the
-    stream is capturing a graph before its state exists."""
+def _launch_coop(logits, a, b, out, next_n, k, mode, cfg, coop, on_gpu, num_sms) -> tuple[bool, object]:
+    """Run the cooperative select: (launched, what Triton's launch returned). Not launched where
+    the driver refused the cooperative launch (then the caller takes the other path; warned once
+    per grid size) or the stream is capturing a graph before its state exists."""
     rows = out.shape[0]
     c, block = coop
     buf = _coop_buffer(logits.device, num_sms)
     if buf is None:  # first call on a capturing stream: the other path (see _coop_buffer)
-        return False
+        return False, None
     state, part = buf[:rows * _COOP_STATE], buf[rows * _COOP_STATE:rows * (_COOP_STATE + 2 * c)]
     kern, consts, nw = coop_launch(k, mode, cfg, coop)
     args = (logits, logits.stride(0), logits.stride(1), a, b, next_n, out, out.stride(0), state, part)
     if on_gpu:  # one launch, every phase; the cooperative launch guarantees co-residency (or fails)
         try:
-            kern[(rows, c)](*args, 0, _COOP_PHASES, **consts, num_warps=nw, launch_cooperative_grid=True)
+            ck = kern[(rows, c)](*args, 0, _COOP_PHASES, **consts, num_warps=nw, launch_cooperative_grid=True)
         except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: not launched, not sticky
             if "cooperative" not in str(e).lower():
                 raise
-            _COOP_REFUSED.add(_coop_refusal_key(logits.device, rows, coop))
-            warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * c} CTAs of {block} keys "
-                          f"({e}); calls of this shape take the segment / short path", RuntimeWarning, stacklevel=3)
-            return False
-    else:  # the interpreter runs programs one after another: one launch per phase, no spinning
-        consts["SPIN"] = False
-        for ph in range(_COOP_PHASES):
-            kern[(rows, c)](*args, ph, ph + 1, **consts, num_warps=nw)
-    return True
+            _refused(_coop_refusal_key(logits.device, rows, coop), rows, coop, e)
+            return False, None
+        return True, ck
+    # the interpreter runs programs one after another: one launch per phase, no spinning
+    consts["SPIN"] = False
+    for ph in range(_COOP_PHASES):
+        kern[(rows, c)](*args, ph, ph + 1, **consts, num_warps=nw)
+    return True, None
+
+
+def _refused(refusal_key: tuple, rows: int, coop: tuple[int, int], err: Exception) -> None:
+    """Remember a cooperative launch the driver refused (its shape takes the other path from now on)."""
+    _COOP_REFUSED.add(refusal_key)
+    warnings.warn(f"dsa top-k: the driver refused a cooperative launch of {rows * coop[0]} CTAs of {coop[1]} keys "
+                  f"({err}); calls of this shape take the segment / short path", RuntimeWarning, stacklevel=4)
 
 
 def _launch_plan(cfg: dict, k: int, mode: int, max_seq_len: int, num_warps: int, merge_warps: int):

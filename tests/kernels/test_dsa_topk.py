@@ -935,8 +935,8 @@ def test_coop_refused_launch_takes_the_other_path(monkeypatch):
     monkeypatch.setattr(T, "_topk_coop_kernel", Refusing("Triton Error [CUDA]: too many blocks in cooperative launch"))
     out = torch.full((2, 512), -7, dtype=torch.int32)
     with pytest.warns(RuntimeWarning, match="cooperative"):  # on_gpu=True: the cooperative launch
-        assert not T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024),
-                                  True, 8)
+        assert T._launch_coop(lg, lens, lens, out, 1, 512, T._MODE_ROW_LENGTHS, dict(KFILL=512), (4, 1024),
+                              True, 8) == (False, None)
     assert calls == [(2, 4)] and T._COOP_REFUSED == {(0, 8, 1024)} and torch.all(out == -7)
     monkeypatch.setattr(T, "_topk_coop_kernel", Refusing("Triton Error [CUDA]: an illegal memory access"))
     with pytest.raises(RuntimeError, match="illegal"):
@@ -952,7 +952,216 @@ def test_coop_refused_launch_takes_the_other_path(monkeypatch):
     # the same grid size at other keys per program (other registers per CTA) is still tried
     tried = []
     monkeypatch.setattr(T, "_COOP_REFUSED", {(0, 2 * c, 2 * block)})
-    monkeypatch.setattr(T, "_launch_coop", lambda *a, **k: tried.append(a[8]) or False)
+    monkeypatch.setattr(T, "_launch_coop", lambda *a, **k: tried.append(a[8]) or (False, None))
     out.fill_(-7)
     T.persistent_topk(lg.to(DEVICE), lens.to(DEVICE), out, None, 512, 3000, COOP=True)
     assert tried == [(c, block)] and torch.equal(out.cpu(), T.persistent_topk_reference(lg, lens, 512))
+
+
+# ------------------------------------------------------------------------------------------------
+# Planned calls (host time): the second call of a key launches the compiled kernels directly
+# ------------------------------------------------------------------------------------------------
+
+class _FakeJit:
+    """Stands in for a @triton.jit kernel: records each launch's grid and bound arguments and
+    returns a FakeCompiled, whose run() then records the direct launches of the plan."""
+
+    def __init__(self, real):
+        from tests.kernels.fake_compiled import FakeCompiled
+
+        self.arg_names, self.fn = real.arg_names, real.fn
+        self.launches, self.compiled = [], FakeCompiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((tuple(grid), args, kw))
+            return self.compiled
+        return launch
+
+
+def _as_launcher_args(fn, args, kw):
+    """What Triton's JIT launch of ``fn`` hands CompiledKernel.run after the grid / stream / head:
+    one value per parameter in signature order, tensors as their pointers, defaults filled in."""
+    import inspect
+
+    params = inspect.signature(fn.fn).parameters
+    vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    for name in list(params)[len(args):]:
+        vals.append(kw[name] if name in kw else params[name].default)
+    return tuple(vals)
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Every top-k kernel replaced by a _FakeJit, a fixed raw stream, an empty plan cache."""
+    fakes = {}
+    for name in ("_topk_short_kernel", "_topk_segment_kernel", "_topk_merge_kernel", "_topk_coop_kernel"):
+        fakes[name] = _FakeJit(getattr(T, name))
+        monkeypatch.setattr(T, name, fakes[name])
+    monkeypatch.setattr(T, "_raw_stream", lambda index: 4321)
+    monkeypatch.setattr(T, "_PLANS", {})
+    monkeypatch.setattr(T, "_COOP_REFUSED", set())
+    return fakes
+
+
+def _check_direct(fake, n_before: int):
+    """The direct launches after the first n_before JIT launches repeat them argument for argument."""
+    jit = fake.launches[:n_before]
+    direct = fake.compiled.calls
+    assert len(direct) == len(jit) and direct
+    for (grid, args, kw), got in zip(jit, direct):
+        c = fake.compiled
+        assert got[:9] == (grid[0], grid[1] if len(grid) > 1 else 1, 1, 4321, c.function, c.packed_metadata,
+                           None, None, None)
+        assert got[9:] == _as_launcher_args(fake, args, kw)
+        assert len(got) - 9 == len(fake.arg_names)
+
+
+@pytest.mark.parametrize("path", ["short", "segment_merge", "merge_only"])
+def test_planned_call_launches_what_triton_launched(planned, monkeypatch, path):
+    """A key's first call binds, specializes and launches through Triton's JIT path and keeps the
+    compiled kernels; its next calls (other tensors, same key) hand the launcher the same argument
+    list with the new pointers, without validating or dispatching again."""
+    k, rows = 64, 3
+    if path == "short":
+        width, kernels = 300, ["_topk_short_kernel"]
+    else:  # rows past SHORT_MAX, no cooperative select: the radix path (segments past CAP = 4096)
+        monkeypatch.setattr(T, "SHORT_MAX", 256)
+        monkeypatch.setattr(T, "COOP", False)
+        width = 5000 if path == "segment_merge" else 600
+        kernels = (["_topk_segment_kernel"] if path == "segment_merge" else []) + ["_topk_merge_kernel"]
+    dispatch = T.topk_config(k, width, rows, 8)
+    lg = torch.randn(rows, width)
+    lens = torch.tensor([width, width // 2, 7], dtype=torch.int32)
+    scratch = torch.empty(T.topk_workspace_bytes(k, rows, width, num_sms=8) // 4 + 64, dtype=torch.int32)
+    out = torch.empty(rows, k, dtype=torch.int32)
+    T.persistent_topk(lg, lens, out, scratch, k, width)
+    assert len(T._PLANS) == 1
+    n_jit = {name: len(planned[name].launches) for name in kernels}
+    assert all(n == 1 for n in n_jit.values()) and not any(planned[n].launches for n in planned if n not in kernels)
+    # same key, new tensors: the direct path (validation and dispatch would see the same key)
+    lg2, lens2, out2 = torch.randn(rows, width), lens.clone(), torch.empty(rows, k, dtype=torch.int32)
+    monkeypatch.setattr(T, "topk_config", lambda *a, **kw: pytest.fail("a planned call dispatched again"))
+    T.persistent_topk(lg2, lens2, out2, scratch, k, width)
+    for name in kernels:
+        fake = planned[name]
+        assert len(fake.launches) == 1  # no second JIT launch
+        (got,) = fake.compiled.calls
+        (grid, args, kw) = fake.launches[0]
+        # the JIT launch's arguments with this call's pointers in place of the first call's
+        swap = {t.data_ptr(): t2.data_ptr() for t, t2 in ((lg, lg2), (lens, lens2), (out, out2))}
+        want = tuple(swap.get(v, v) if isinstance(v, int) else v for v in _as_launcher_args(fake, args, kw))
+        assert got[9:] == want, name
+        assert got[:4] == (grid[0], grid[1], 1, 4321)
+    if path != "short":  # the caller's scratch, at the layout's 16-byte aligned offsets
+        lay = T._scratch_layout(rows, k, dispatch["CAP"], dispatch["SPLIT"])
+        ptrs = _as_launcher_args(planned["_topk_merge_kernel"], planned["_topk_merge_kernel"].launches[0][1], {})[8:15]
+        assert ptrs == tuple(scratch.data_ptr() + 4 * v[0] for n, v in lay.items() if n != "total")
+
+
+def test_planned_cooperative_call(planned, monkeypatch):
+    """A cooperative select's plan launches the cooperative kernel directly (its state from the
+    stream's buffer); a refusal there takes the segment path, compiled once through Triton."""
+    real_coop = T._launch_coop
+    # the CPU stands in for a GPU: the cooperative launch as one launch (no phases)
+    monkeypatch.setattr(T, "_launch_coop", lambda *a: real_coop(*a[:9], True, a[10]))
+    k, rows, width = 64, 1, 9000
+    lg = torch.randn(rows, width)
+    lens = torch.tensor([width - 3], dtype=torch.int32)
+    out = torch.empty(rows, k, dtype=torch.int32)
+    T.persistent_topk(lg, lens, out, None, k, width)
+    fake = planned["_topk_coop_kernel"]
+    assert len(fake.launches) == 1 and fake.launches[0][2]["launch_cooperative_grid"] is True
+    T.persistent_topk(lg, lens, out, None, k, width)
+    _check_direct(fake, 1)
+    (plan,) = T._PLANS.values()
+    buf = next(b for key, b in T._COOP_BUFS.items() if key[0] == "cpu")
+    assert fake.compiled.calls[0][9 + 8] == buf.data_ptr()
+    # the driver refuses the cooperative launch: warned, remembered, the other path compiled once
+    def refuse(*a):
+        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+    plan.coop_direct = (refuse,) + plan.coop_direct[1:]
+    with pytest.warns(RuntimeWarning, match="cooperative"):
+        T.persistent_topk(lg, lens, out, None, k, width)
+    assert T._COOP_REFUSED == {plan.coop_key}
+    seg, merge = planned["_topk_segment_kernel"], planned["_topk_merge_kernel"]
+    assert len(seg.launches) == 1 and len(merge.launches) == 1 and plan.direct is not None
+    T.persistent_topk(lg, lens, out, None, k, width)  # now the segment path, directly
+    assert len(seg.launches) == 1 and len(seg.compiled.calls) == 1 and len(merge.compiled.calls) == 1
+
+
+def test_calls_that_are_not_planned(planned, monkeypatch):
+    """Overrides (tuning), a launch hook (profilers) and a pointer that is not 16-byte aligned take
+    Triton's path every time; another stride is another key."""
+    k, width = 64, 300
+    lg = torch.randn(2, width)
+    lens = torch.tensor([width, 9], dtype=torch.int32)
+    out = torch.empty(2, k, dtype=torch.int32)
+    short = planned["_topk_short_kernel"]
+    for _ in range(2):
+        T.persistent_topk(lg, lens, out, None, k, width, short_warps=4)
+    assert len(short.launches) == 2 and not T._PLANS
+    big = torch.randn(2 * width + 1)
+    mis = big[1:].view(2, width)
+    assert mis.data_ptr() % 16
+    for _ in range(2):
+        T.persistent_topk(mis, lens, out, None, k, width)
+    assert len(short.launches) == 4 and not T._PLANS
+    T.persistent_topk(lg, lens, out, None, k, width)
+    T.persistent_topk(lg, lens, out, None, k, width)
+    assert len(short.launches) == 5 and len(short.compiled.calls) == 1 and len(T._PLANS) == 1
+    monkeypatch.setattr(T, "_hooks_off", lambda: False)
+    T.persistent_topk(lg, lens, out, None, k, width)
+    assert len(short.launches) == 6 and len(short.compiled.calls) == 1
+    monkeypatch.setattr(T, "_hooks_off", lambda: True)
+    wide = torch.randn(2, width + 16)[:, :width]
+    T.persistent_topk(wide, lens, out, None, k, width)
+    assert len(short.launches) == 7 and len(T._PLANS) == 2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("width, rows", [(4096, 3), (32768, 1), (32768, 64), (131072, 8)])
+def test_gpu_planned_calls_match_triton_launches(monkeypatch, width, rows):
+    """The direct launches of a planned call (a key's second call on) write what Triton's JIT
+    launch of the same call writes, bit for bit, on new data, eagerly and replayed from a CUDA graph
+    captured on a side stream after a warm-up there (as vLLM captures), on the dispatch's paths:
+    short rows, the cooperative select (32k, one row), segments + merge."""
+    monkeypatch.setattr(T, "_PLANS", {})
+    g = torch.Generator().manual_seed(width + rows)
+    lg = torch.randn(rows, width, generator=g).cuda()
+    lens = torch.randint(1, width + 1, (rows,), generator=g, dtype=torch.int32).cuda()
+    lens[0] = width
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    T.persistent_topk(lg, lens, out, None, 2048, width)  # Triton's path; the plan is kept
+    assert torch.equal(T.canonical(out), _ref_gpu(lg, lens, 2048))
+    (plan,) = T._PLANS.values()
+    assert plan.direct is not None or plan.coop_direct is not None
+
+    def jit_launch():  # an override the dispatch ignores: not planned, Triton's path every time
+        o = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+        T.persistent_topk(lg, lens, o, None, 2048, width, SEG_MIN=T.SEG_MIN)
+        return o
+
+    real_config = T.topk_config
+    for i in range(2):
+        lg.copy_(torch.round(torch.randn_like(lg) * 8) / 8 + 0.0)  # ties at the k-th value too
+        out.fill_(-7)
+        monkeypatch.setattr(T, "topk_config", lambda *a, **k: pytest.fail("the planned call dispatched"))
+        T.persistent_topk(lg, lens, out, None, 2048, width)
+        monkeypatch.setattr(T, "topk_config", real_config)
+        assert torch.equal(out, jit_launch()), f"eager call {i}"
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        T.persistent_topk(lg, lens, out, None, 2048, width)  # warm-up on the capture stream
+        s.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            T.persistent_topk(lg, lens, out, None, 2048, width)
+    for i in range(2):
+        lg.copy_(torch.randn_like(lg))
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, jit_launch()), f"replay {i}"
+    assert len(T._PLANS) == 1
