@@ -21,9 +21,21 @@ queue drained every 16 calls outside the timed region):
 * ``data_ptr_x5``     five ``data_ptr()`` reads
 
 for the dispatch's merge and, at split points, for both merges (``MERGE`` fused / separate).
+
+``--indexer CTX:B,...`` also times the indexer's decode calls as vLLM makes them (32 heads x 128,
+top-k 2048, B requests of CTX tokens, ``max_model_len`` = CTX; the bench/dsa_indexer.py inputs):
+
+* ``topk_call``    ``persistent_topk`` with the caller's scratch, a key seen before (planned: the
+                   compiled kernels launched directly)
+* ``topk_jit``     the same call through Triton's JIT path (an override the dispatch ignores keeps
+                   it unplanned: validation, dispatch and Triton's binding every call)
+* ``logits_call``  ``fp8_paged_mqa_logits`` into a given logits buffer (``clean_logits=False``)
+* ``step``         both, one after the other
+
 Results: ``--out`` JSON (records + the command). GPU only.
 
   python3 bench/host_breakdown.py --out bench/results/host_breakdown_h100.json
+  python3 bench/host_breakdown.py --shapes "" --indexer 4096:1,32768:1,32768:64 --out ...
 """
 
 from __future__ import annotations
@@ -126,10 +138,45 @@ def measure(T: int, H: int, merge: str | None, calls: int) -> dict:
         return rec
 
 
+def measure_indexer(ctx: int, batch: int, calls: int) -> dict:
+    import torch
+
+    sys.path.insert(0, str(Path(common.ROOT) / "kernels"))
+    import dsa_indexer as DI  # bench/dsa_indexer.py: the inputs and the calls of its timing
+    import triton_dsa_topk as T
+
+    sh = DI.Shape(ctx, batch)
+    inp = DI.build_inputs(sh, max_sets=1)
+    logits, topk, step, out, idx = DI.triton_step_fns(sh, inp)
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    tcfg, _, _ = T.call_config(DI.K_TOP, sh.mml, sh.rows, nsm, torch.cuda.get_device_capability(0)[0])
+    scratch = torch.empty(T._scratch_layout(sh.rows, DI.K_TOP, tcfg["CAP"], tcfg["SPLIT"])["total"],
+                          dtype=torch.int32, device="cuda")
+
+    def topk_jit():
+        T.persistent_topk(out, inp["lens"], idx, scratch, DI.K_TOP, sh.mml, SEG_MIN=T.SEG_MIN)
+
+    step(0)
+    step(0)
+    torch.cuda.synchronize()
+    key = T._plan_key(out, inp["lens"], None, idx, 1, DI.K_TOP, T._MODE_ROW_LENGTHS, sh.mml, scratch)
+    plan = T._PLANS.get(key)
+    rec = {"context": ctx, "batch": batch, "rows": sh.rows, "planned": plan is not None,
+           "topk_path": ("coop" if plan is not None and plan.coop is not None else
+                         "short" if tcfg["SHORT"] else "segment+merge" if sh.mml > tcfg["CAP"] else "merge")}
+    rec["topk_call"] = common.host_us(lambda: topk(0), calls=calls)
+    rec["topk_jit"] = common.host_us(topk_jit, calls=calls)
+    rec["logits_call"] = common.host_us(lambda: logits(0), calls=calls)
+    rec["step"] = common.host_us(lambda: step(0), calls=calls)
+    torch.cuda.synchronize()
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{t}:{h}" for t, h in SHAPES), help="T:H,T:H,...")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--indexer", default="", help="CTX:B,...: also the indexer's decode calls (see above)")
     ap.add_argument("--out", default=str(Path(common.ROOT) / "bench" / "results" / "host_breakdown_h100.json"))
     args = ap.parse_args(argv)
     import torch
@@ -140,13 +187,17 @@ def main(argv=None) -> int:
     res = common.ResultsFile(args.out, {"command": common.command_line(__file__, argv),
                                         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "unit": "us (median wall time of one call)"})
-    for T, H in parse_shapes(args.shapes):
+    for T, H in (parse_shapes(args.shapes) if args.shapes else []):
         for merge in (None, "fused", "separate"):
             rec = measure(T, H, merge, args.calls)
             if merge is not None and rec["num_splits"] == 1:
                 continue  # no split: no merge to compare
             res.add(rec)
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+    for ctx, batch in (common.parse_pairs(args.indexer) if args.indexer else []):
+        rec = measure_indexer(ctx, batch, args.calls)
+        res.add(rec)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
     res.finish()
     return 0
 
