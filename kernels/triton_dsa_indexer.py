@@ -70,6 +70,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # the vLLM tree and the kernels/ package: the sibling module (its direct-launch helpers)
+    from . import triton_dsa_topk as _topk
+except ImportError:  # loaded as a top-level module (tests and benchmarks put kernels/ on sys.path)
+    import triton_dsa_topk as _topk
+
 __all__ = [
     "indexer_k_quant_and_cache",
     "cp_gather_indexer_k_quant_cache",
@@ -502,7 +507,26 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     with FP8 q). ``q``: ``[B, next_n, H, D]`` float8_e4m3fn; ``kv_cache``: uint8 ``[blocks,
     block_size, (1,) D + 4]``; ``weights``: ``[B * next_n, H]`` fp32 (all scales folded in);
     ``context_lens``: int32 ``[B]`` or ``[B, next_n]``; ``block_table``: int32 ``[B, max_blocks]``.
-    Returns fp32 ``[B * next_n, max_model_len]`` (contiguous)."""
+    Returns fp32 ``[B * next_n, max_model_len]`` (contiguous).
+
+    Host cost: a call's validation, launch config and Triton's binding are worked out once per key
+    (every tensor's shape, strides, dtype, device and 16-byte alignment, ``max_model_len``,
+    ``clean_logits``); later calls launch the compiled kernel directly (as the top-k's planned
+    calls). Calls with overrides or under a launch hook take Triton's path every time."""
+    key = None
+    if not overrides:
+        key = _paged_key(q, kv_cache, weights, context_lens, block_table, max_model_len, clean_logits, out)
+        p = _PAGED_PLANS.get(key) if key is not None else None
+        if p is not None and _topk._hooks_off():
+            if out is None:
+                out = torch.empty(p.out_shape, dtype=torch.float32, device=q.device)
+            kvp = kv_cache.data_ptr()
+            ptrs = (q.data_ptr(), kvp, kvp, weights.data_ptr(), context_lens.data_ptr(), block_table.data_ptr(),
+                    out.data_ptr())
+            stream = _topk._raw_stream(q.device.index or 0)
+            for (run, head, grid, tail), b0 in zip(p.direct, p.b0s):
+                run(grid[0], grid[1], 1, stream, *head, *ptrs, *p.ints, b0, *tail)
+            return out
     if q.dim() != 4:
         raise ValueError(f"q must be [B, next_n, H, D], got {tuple(q.shape)}")
     if q.dtype != FP8_DTYPE:
@@ -550,15 +574,47 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     num_warps = cfg.pop("num_warps")
     progs = cfg.pop("PROGS")
     fp8v, f32v = _views(kv3)
+    ints = (q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
+            block_table.stride(0), out.stride(0), max_model_len)
+    consts = dict(NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
+                  CLEAN=bool(clean_logits), **cfg)
+    entries, b0s = [], []
     for b0, nb in grid_yz_tiles(B, max_grid_yz):
-        _paged_logits_kernel[(progs, nb)](
-            q, fp8v, f32v, weights, context_lens, block_table, out,
-            q.stride(0), q.stride(1), q.stride(2), kv3.stride(0), weights.stride(0), stride_cb,
-            block_table.stride(0), out.stride(0), max_model_len, b0,
-            NEXT_N=next_n, NN_P=triton.next_power_of_2(next_n), H=H, D=D, PAGE=page, CTX_2D=ctx_2d,
-            CLEAN=bool(clean_logits), num_warps=num_warps, **cfg,
-        )
+        ck = _paged_logits_kernel[(progs, nb)](q, fp8v, f32v, weights, context_lens, block_table, out, *ints, b0,
+                                               num_warps=num_warps, **consts)
+        entries.append(_topk._direct_entry(_paged_logits_kernel, ck, (progs, nb), consts))
+        b0s.append(b0)
+    if key is not None and all(e is not None for e in entries):  # compiled (never in the interpreter)
+        plan = _PagedPlan()
+        plan.direct, plan.b0s, plan.ints, plan.out_shape = entries, b0s, ints, (rows, max_model_len)
+        if len(_PAGED_PLANS) >= _topk._PLANS_MAX:  # shapes follow the batch: bounded, oldest out
+            _PAGED_PLANS.pop(next(iter(_PAGED_PLANS)))
+        _PAGED_PLANS[key] = plan
     return out
+
+
+# Planned paged-logits calls (key -> _PagedPlan): see fp8_paged_mqa_logits.
+_PAGED_PLANS: dict = {}
+
+
+class _PagedPlan:
+    __slots__ = ("direct", "b0s", "ints", "out_shape")
+
+
+def _paged_key(q, kv_cache, weights, context_lens, block_table, max_model_len, clean_logits, out):
+    """The plan key of a paged-logits call, or None (a pointer not 16-byte aligned: Triton
+    specializes on pointer alignment)."""
+    ptrs = q.data_ptr() | kv_cache.data_ptr() | weights.data_ptr() | context_lens.data_ptr() | block_table.data_ptr()
+    ko = None
+    if out is not None:
+        ptrs |= out.data_ptr()
+        ko = (out.shape, out.stride(), out.dtype, out.device)
+    if ptrs & 15:
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+            kv_cache.device, weights.shape, weights.stride(), weights.dtype, weights.device, context_lens.shape,
+            context_lens.stride(), context_lens.dtype, context_lens.device, block_table.shape, block_table.stride(),
+            block_table.dtype, block_table.device, int(max_model_len), bool(clean_logits), ko)
 
 
 def _row_context(context_lens: torch.Tensor, B: int, next_n: int) -> torch.Tensor:

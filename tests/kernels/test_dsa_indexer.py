@@ -25,6 +25,7 @@ KDTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton_dsa_indexer as I  # noqa: E402
+from tests.kernels.fake_compiled import FakeJit, launcher_args  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 gpu = pytest.mark.gpu
@@ -751,3 +752,90 @@ def test_k_write_and_gather_empty_inputs():
     I.cp_gather_indexer_k_quant_cache(cache, dk3, ds3, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
                                       torch.zeros(1, dtype=torch.int32, device=DEVICE))  # no request
     assert torch.equal(dk3.view(torch.uint8), b3[0]) and torch.equal(ds3, b3[1])
+
+
+def test_planned_paged_logits_launch_what_triton_launched(monkeypatch):
+    """A paged-logits key's first call goes through Triton's JIT path (one launch per grid-y tile)
+    and keeps the compiled kernel; its next calls launch it directly with the new pointers, the
+    same scalars and constexprs, each tile with its own request offset. Overrides and misaligned
+    pointers are never planned."""
+    fake = FakeJit(I._paged_logits_kernel)
+    monkeypatch.setattr(I, "_paged_logits_kernel", fake)
+    monkeypatch.setattr(I._topk, "_raw_stream", lambda index: 4321)
+    monkeypatch.setattr(I, "_PAGED_PLANS", {})
+    monkeypatch.setattr(I, "MAX_GRID_YZ", 2)  # three requests: tiles of 2 + 1 along grid y
+    g = torch.Generator().manual_seed(16)
+    cache, mml, q, w, bt, cl = _paged_case(g, next_n=2)
+    out = torch.empty(6, mml)
+    I.fp8_paged_mqa_logits(q, cache, w, cl, bt, mml, clean_logits=False, out=out)
+    assert len(fake.launches) == 2 and len(I._PAGED_PLANS) == 1
+    assert [x[1][-1] for x in fake.launches] == [0, 2]  # b0 of each tile
+    q2, w2, out2 = q.clone(), w.clone(), torch.empty(6, mml)
+    res = I.fp8_paged_mqa_logits(q2, cache, w2, cl, bt, mml, clean_logits=False, out=out2)
+    assert res is out2 and len(fake.launches) == 2 and len(fake.compiled.calls) == 2
+    swap = {q.data_ptr(): q2.data_ptr(), w.data_ptr(): w2.data_ptr(), out.data_ptr(): out2.data_ptr()}
+    for (grid, args, kw), got in zip(fake.launches, fake.compiled.calls):
+        want = tuple(swap.get(v, v) if isinstance(v, int) else v for v in launcher_args(fake, args, kw))
+        assert got[:4] == (grid[0], grid[1], 1, 4321) and got[9:] == want
+        assert got[9 + 1] == got[9 + 2] == cache.data_ptr()  # the fp8 and fp32 views of one storage
+    # no out given: a new [rows, max_model_len] fp32 tensor per call, launched directly
+    res = I.fp8_paged_mqa_logits(q2, cache, w2, cl, bt, mml, clean_logits=False)
+    assert res.shape == (6, mml) and res.dtype == torch.float32 and len(fake.launches) == 4
+    res2 = I.fp8_paged_mqa_logits(q2, cache, w2, cl, bt, mml, clean_logits=False)
+    assert len(fake.launches) == 4 and fake.compiled.calls[-1][9 + 6] == res2.data_ptr()
+    # overrides (tuning) and a misaligned pointer: Triton's path every time
+    n = len(fake.launches)
+    I.fp8_paged_mqa_logits(q2, cache, w2, cl, bt, mml, clean_logits=False, out=out2, BLOCK_N=16)
+    I.fp8_paged_mqa_logits(q2, cache, w2, cl, bt, mml, clean_logits=False, out=out2, BLOCK_N=16)
+    wm = torch.empty(w2.numel() + 1)[1:].view(w2.shape)
+    wm.copy_(w2)
+    I.fp8_paged_mqa_logits(q2, cache, wm, cl, bt, mml, clean_logits=False, out=out2)
+    I.fp8_paged_mqa_logits(q2, cache, wm, cl, bt, mml, clean_logits=False, out=out2)
+    assert len(fake.launches) == n + 8 and len(I._PAGED_PLANS) == 2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("B, next_n", [(1, 1), (16, 1), (4, 2)])
+def test_gpu_planned_paged_logits_match_triton_launches(monkeypatch, B, next_n):
+    """Direct launches of a planned paged-logits call (the key's second call on) write what
+    Triton's JIT launch of the same call writes, bit for bit, eagerly and replayed from a CUDA graph
+    captured after a warm-up on the capture stream; with a tiled grid (MAX_GRID_YZ 2) too."""
+    H, D, page, ctx = 32, 128, 64, 4096
+    monkeypatch.setattr(I, "_PAGED_PLANS", {})
+    cache, nb = _gpu_cache(B * (ctx + page), seed=B)
+    g = torch.Generator(device="cuda").manual_seed(B)
+    q = torch.randn(B, next_n, H, D, device="cuda", generator=g).to(FP8)
+    w = torch.randn(B * next_n, H, device="cuda", generator=g) * 0.05
+    nblk = ctx // page
+    bt = torch.stack([torch.randperm(nb, device="cuda", generator=g)[:nblk] for _ in range(B)]).int()
+    cl = torch.randint(next_n, ctx + 1, (B,), device="cuda", generator=g, dtype=torch.int32)
+    out = torch.full((B * next_n, ctx), 3.0e38, device="cuda")
+
+    def jit():  # an override the launch config ignores: unplanned, Triton's path
+        o = torch.full_like(out, 3.0e38)
+        I.fp8_paged_mqa_logits(q, cache, w, cl, bt, ctx, clean_logits=True, out=o, WAVES=I.PAGED_WAVES)
+        return o
+
+    for tiles in (I.MAX_GRID_YZ, 2):
+        monkeypatch.setattr(I, "MAX_GRID_YZ", tiles)
+        I._PAGED_PLANS.clear()
+        I.fp8_paged_mqa_logits(q, cache, w, cl, bt, ctx, clean_logits=True, out=out)  # planned
+        assert len(I._PAGED_PLANS) == 1
+        for i in range(2):
+            q.copy_(torch.randn(q.shape, device="cuda").to(FP8))
+            out.fill_(3.0e38)
+            I.fp8_paged_mqa_logits(q, cache, w, cl, bt, ctx, clean_logits=True, out=out)
+            assert torch.equal(out, jit()), (tiles, i)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            I.fp8_paged_mqa_logits(q, cache, w, cl, bt, ctx, clean_logits=True, out=out)
+            s.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                I.fp8_paged_mqa_logits(q, cache, w, cl, bt, ctx, clean_logits=True, out=out)
+        w.copy_(torch.randn_like(w) * 0.05)
+        out.fill_(3.0e38)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, jit()), (tiles, "replay")

@@ -23,6 +23,7 @@ from tests.triton_interpreter import _HAS_CUDA as HAS_CUDA, DEVICE, INTERPRET  #
 # ------------------------------------------------------------------------------------------------
 
 import triton_dsa_topk as T  # noqa: E402
+from tests.kernels.fake_compiled import FakeJit, launcher_args  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (not the interpreter)")
@@ -962,41 +963,12 @@ def test_coop_refused_launch_takes_the_other_path(monkeypatch):
 # Planned calls (host time): the second call of a key launches the compiled kernels directly
 # ------------------------------------------------------------------------------------------------
 
-class _FakeJit:
-    """Stands in for a @triton.jit kernel: records each launch's grid and bound arguments and
-    returns a FakeCompiled, whose run() then records the direct launches of the plan."""
-
-    def __init__(self, real):
-        from tests.kernels.fake_compiled import FakeCompiled
-
-        self.arg_names, self.fn = real.arg_names, real.fn
-        self.launches, self.compiled = [], FakeCompiled()
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.launches.append((tuple(grid), args, kw))
-            return self.compiled
-        return launch
-
-
-def _as_launcher_args(fn, args, kw):
-    """What Triton's JIT launch of ``fn`` hands CompiledKernel.run after the grid / stream / head:
-    one value per parameter in signature order, tensors as their pointers, defaults filled in."""
-    import inspect
-
-    params = inspect.signature(fn.fn).parameters
-    vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    for name in list(params)[len(args):]:
-        vals.append(kw[name] if name in kw else params[name].default)
-    return tuple(vals)
-
-
 @pytest.fixture
 def planned(monkeypatch):
-    """Every top-k kernel replaced by a _FakeJit, a fixed raw stream, an empty plan cache."""
+    """Every top-k kernel replaced by a FakeJit, a fixed raw stream, an empty plan cache."""
     fakes = {}
     for name in ("_topk_short_kernel", "_topk_segment_kernel", "_topk_merge_kernel", "_topk_coop_kernel"):
-        fakes[name] = _FakeJit(getattr(T, name))
+        fakes[name] = FakeJit(getattr(T, name))
         monkeypatch.setattr(T, name, fakes[name])
     monkeypatch.setattr(T, "_raw_stream", lambda index: 4321)
     monkeypatch.setattr(T, "_PLANS", {})
@@ -1013,7 +985,7 @@ def _check_direct(fake, n_before: int):
         c = fake.compiled
         assert got[:9] == (grid[0], grid[1] if len(grid) > 1 else 1, 1, 4321, c.function, c.packed_metadata,
                            None, None, None)
-        assert got[9:] == _as_launcher_args(fake, args, kw)
+        assert got[9:] == launcher_args(fake, args, kw)
         assert len(got) - 9 == len(fake.arg_names)
 
 
@@ -1050,12 +1022,12 @@ def test_planned_call_launches_what_triton_launched(planned, monkeypatch, path):
         (grid, args, kw) = fake.launches[0]
         # the JIT launch's arguments with this call's pointers in place of the first call's
         swap = {t.data_ptr(): t2.data_ptr() for t, t2 in ((lg, lg2), (lens, lens2), (out, out2))}
-        want = tuple(swap.get(v, v) if isinstance(v, int) else v for v in _as_launcher_args(fake, args, kw))
+        want = tuple(swap.get(v, v) if isinstance(v, int) else v for v in launcher_args(fake, args, kw))
         assert got[9:] == want, name
         assert got[:4] == (grid[0], grid[1], 1, 4321)
     if path != "short":  # the caller's scratch, at the layout's 16-byte aligned offsets
         lay = T._scratch_layout(rows, k, dispatch["CAP"], dispatch["SPLIT"])
-        ptrs = _as_launcher_args(planned["_topk_merge_kernel"], planned["_topk_merge_kernel"].launches[0][1], {})[8:15]
+        ptrs = launcher_args(planned["_topk_merge_kernel"], planned["_topk_merge_kernel"].launches[0][1], {})[8:15]
         assert ptrs == tuple(scratch.data_ptr() + 4 * v[0] for n, v in lay.items() if n != "total")
 
 
