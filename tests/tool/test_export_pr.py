@@ -334,3 +334,32 @@ def test_carried_seed_fixture_is_the_conftest_fixture():
         mp.undo()
     assert random.random() == random.Random(1234).random() and node.user_properties == [("seed", 1234)]
     assert torch.initial_seed() == 1234
+
+
+def test_every_test_the_real_concerns_carry_rewrites_for_vllm():
+    """Each test this repository's overlay/CONCERNS.toml carries into vLLM's tree rewrites without
+    a problem (imports from vLLM's paths, project helpers such as tests/kernels/fake_compiled.py
+    carried into the file) and compiles: export-pr refuses the whole concern otherwise (a carried
+    test once imported that helper and stopped it)."""
+    import ast
+
+    from conftest import REPO
+    from overlay_tool.carry import carry_test, module_map
+    from overlay_tool.ops import plan_concerns
+    from overlay_tool.project import Project
+
+    project = Project(REPO)
+    overlay = project.overlay_files()
+    groups, spec = plan_concerns(project, [], overlay)
+    mods = module_map(overlay)
+    n = 0
+    for name, c in spec.concerns.items():
+        own = set(module_map(groups.get(name, {}).get("files", [])))
+        for src, dest in c.tests:
+            text = carry_test(REPO, src, dest, mods, own).decode()
+            ast.parse(text)  # valid Python after the rewrite
+            assert "tests.kernels" not in text and "fake_compiled import" not in text, src
+            if "FakeCompiled" in text:
+                assert "class FakeCompiled" in text, src
+            n += 1
+    assert n >= 5

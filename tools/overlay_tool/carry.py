@@ -28,6 +28,10 @@ def interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 ''',
 }
+# Project test helper modules a carried test may import at top level (`from tests.kernels.X import a, b`):
+# vLLM's tree has no such module, so the helper's code (its definitions and the imports they need)
+# is carried into the test file itself in place of that import.
+CARRIED_HELPER_MODULES = {"tests.kernels.fake_compiled": "tests/kernels/fake_compiled.py"}
 # What a name the conftest imports is in vLLM's tree: `import X` stays; these come from the project's
 # tests/triton_interpreter.py there and are plain modules in vLLM's tree.
 _INTERPRETER_MODULES = {"torch": "import torch"}
@@ -88,6 +92,23 @@ SYS_PATH_LINES = re.compile(
     r'|^sys\.path\.insert\(0, (_ROOT|os\.path\.join\(_ROOT, "kernels"\))\)\n')
 GPU_MARK = '@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")'
 SPDX_VLLM = "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project"
+
+
+def helper_code(root: Path, path: str) -> tuple[list[str], str]:
+    """(import lines, definitions) of a project test helper module: its statements as written,
+    decorators included, without its docstring and `from __future__` imports."""
+    text = (root / path).read_text()
+    lines = text.splitlines()
+    imports, body = [], []
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # the docstring
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+        seg = "\n".join(lines[start - 1:node.end_lineno])
+        (imports if isinstance(node, (ast.Import, ast.ImportFrom)) else body).append(seg)
+    return imports, "\n\n\n".join(body)
 
 
 def module_map(files: list[OverlayFile]) -> dict[str, str]:
@@ -176,6 +197,15 @@ def carry_test(root: Path, src: str, dest: str, all_modules: dict[str, str], own
             out.insert(0, f"{m.group(1)}import os")
         return f"{m.group(1)}# (the GLM-5 overlay's tests/triton_interpreter.py, carried)\n" + "\n".join(out)
 
+    def sub_helper(m: re.Match) -> str:  # from tests.kernels.fake_compiled import FakeCompiled (top level)
+        path = CARRIED_HELPER_MODULES.get(m.group(1))
+        if path is None:
+            return m.group(0)
+        imports, body = helper_code(root, path)
+        need = [i for i in imports if not re.search(rf"(?m)^{re.escape(i)}[ \t]*(#.*)?$", text)]
+        return "\n".join([f"# (the GLM-5 overlay's {path}, carried)"] + need + ["", "", body, "", ""])
+
+    text = re.sub(r"(?m)^from (tests\.[\w.]+) import [\w ,]+?[ \t]*(#.*)?$", sub_helper, text)
     text = re.sub(r"(?m)^([ \t]*)import (\w+)( as \w+)?(?=[ \t]*(#.*)?$)", sub_bare, text)
     text = re.sub(r"(?m)^([ \t]*)from tests\.triton_interpreter import ([\w ,]+?)[ \t]*(#.*)?$", sub_interp, text)
     text = SYS_PATH_LINES.sub("", text)
