@@ -1112,9 +1112,12 @@ def rows16_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None
     (4 warps) 13.2 / 41.8 / 116.8; H 16 (two head blocks): v1 18.9 / 65.5 / 198.3, BLOCK_N 32 14.1 /
     47.6 / 156.0, BLOCK_N 64 13.6 / 53.0 / 155.0. SM90 only (BLOCK_N 64 does not fit SM120's shared
     memory; KEYS_M with one 2-warp CTA per SM lost to the 16-head kernel under the SM120-occupancy
-    proxy), from ROWS16_MIN_TOKENS query rows (T 1-3 not measured)."""
+    proxy), from ROWS16_MIN_TOKENS query rows (T 1-3 not measured). With 9-16 heads from
+    ROWS_H16_MIN_TOKENS rows: the 16-head KEYS_M over 16-bit rows (``KEYS_M_H16_CONFIGS[3]``)."""
     if cc_major != 9 or not 1 <= num_heads <= 16 or num_tokens < ROWS16_MIN_TOKENS:
         return None
+    if num_heads > 8 and num_tokens >= ROWS_H16_MIN_TOKENS:
+        return dict(KEYS_M_H16_CONFIGS[3], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
     return dict(ROWS16_CONFIGS[1] if num_heads <= 8 else ROWS16_CONFIGS[0], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
 
 
@@ -1126,9 +1129,12 @@ def rows8_config(num_heads: int, cc_major: int, num_tokens: int) -> dict | None:
     88.0; H 16: v1 18.0 / 68.7 / 189.4, BLOCK_N 32 15.8 / 44.6 / 147.3, BLOCK_N 64 15.0 / 45.8 / 129.5
     (fp8_ds_mla's v2 in the same run: 12.5 / 37.4 / 102.6 at H 8, 13.8 / 42.8 / 137.2 at H 16).
     BLOCK_N 64 everywhere (within 2% of the best at 8 heads, 12% faster at 16 heads / T 128);
-    SM90 only, from ROWS8_MIN_TOKENS query rows (T 1-3 not measured)."""
+    SM90 only, from ROWS8_MIN_TOKENS query rows (T 1-3 not measured). With 9-16 heads from
+    ROWS_H16_MIN_TOKENS rows: the 16-head KEYS_M over fp8 rows (``KEYS_M_H16_CONFIGS[4]``)."""
     if cc_major != 9 or not 1 <= num_heads <= 16 or num_tokens < ROWS8_MIN_TOKENS:
         return None
+    if num_heads > 8 and num_tokens >= ROWS_H16_MIN_TOKENS:
+        return dict(KEYS_M_H16_CONFIGS[4], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
     return dict(ROWS8_CONFIGS[1], QK_ACCS=4, DQ_VEC=16, SPLIT_OVERHEAD=2)
 
 
@@ -1243,6 +1249,13 @@ KEYS_M_H16_CONFIGS = (
      "CTAS_PER_SM": 2},
 )
 
+
+# 9-16 heads over bf16 / fp8 rows: one 16-head KEYS_M CTA (each tile staged and converted once for
+# 16 heads) instead of two 8-head blocks, from this many query rows. H100, 32k context, H 16
+# (bench/results/sparse_mla_v2_rows_h16_h100.json, us, T 4 / 32 / 64 / 128): fp8 rows 15.1 / 34.8 /
+# 58.8 / 106.4 against the 8-head dispatch's 15.1 / 41.3 / 73.3 / 130.9; bf16 rows 15.7 / 41.6 /
+# 69.6 / 120.4 against 14.0 / 42.4 / 73.1 / 133.7 (T 5-31 not measured).
+ROWS_H16_MIN_TOKENS = 32
 
 # KEYS_M over 16-bit rows (the bf16 / fp16 cache format; config ROWS16, dispatched by
 # rows16_config): 74,752 B at BLOCK_N 32 (three CTAs per SM on SM90, one on SM120), 149,504 B at

@@ -223,9 +223,12 @@ def test_v2_specs_cover_every_dispatch_config():
                                          (v2.rows8_config, v2.ROWS8_CONFIGS, "km8")):
                     c = rule(h, cc, t)
                     if c is not None:
-                        assert cc == 9 and {k: c[k] for k in table[0]} in [dict(x) for x in table]
+                        wh = c.get("WARPS_H", 1)
+                        tab = [dict(x) for x in (table if wh == 1 else v2.KEYS_M_H16_CONFIGS)]
+                        assert cc == 9 and any(all(c.get(k) == v for k, v in x.items()) for x in tab), c
                         for split in ("0]", "1,merge=separate]", "1,merge=fused]"):
-                            n = (f"sparse_mla_v2_{tag}[bfloat16,BH=8,BN={c['BLOCK_N']},w={c['NUM_WARPS']},"
+                            n = (f"sparse_mla_v2_{tag}[bfloat16,BH={c['BLOCK_H']},BN={c['BLOCK_N']},"
+                                 f"w={c['NUM_WARPS']}{f',wh={wh}' if wh > 1 else ''},"
                                  f"qa={c['QK_ACCS']},dq={c['DQ_VEC']},sw=0,ring={c.get('RING', 2)},qreg=0,split={split}")
                             assert n in names, n
 
@@ -560,6 +563,13 @@ def test_v2_rows16_dispatch():
         assert {k: c[k] for k in v2.ROWS16_CONFIGS[0]} in [dict(x) for x in v2.ROWS16_CONFIGS]
         assert v2.rows16_config(h, 9, n - 1) is None
         assert v2.resolve_config_v2(h, 9, 4096, kv_format="bfloat16") == v2.rows16_config(h, 9, 4096)
+        # 9-16 heads from ROWS_H16_MIN_TOKENS rows: one 16-head KEYS_M CTA over the rows (both formats)
+        for rule, entry in ((v2.rows16_config, 3), (v2.rows8_config, 4)):
+            big = rule(h, 9, v2.ROWS_H16_MIN_TOKENS)
+            small = rule(h, 9, v2.ROWS_H16_MIN_TOKENS - 1)
+            assert (big.get("WARPS_H", 1) == 2) == (h > 8) and small.get("WARPS_H", 1) == 1, (h, big, small)
+            if h > 8:
+                assert {k: big[k] for k in v2.KEYS_M_H16_CONFIGS[entry]} == dict(v2.KEYS_M_H16_CONFIGS[entry])
     for h, cc, t in ((17, 9, 4096), (8, 12, 4096), (8, 8, 4096), (16, 10, 4096)):
         assert v2.rows16_config(h, cc, t) is None, (h, cc, t)
     # an override on a shape the dispatch leaves to v1 starts from the first ROWS16 config
@@ -573,7 +583,7 @@ def test_v2_rows16_dispatch():
     for h in range(1, 17):
         c = v2.rows8_config(h, 9, n8)
         assert c["ROWS8"] and c["KEYS_M"] and c["BLOCK_N"] == 64 and {k: c[k] for k in v2.ROWS8_CONFIGS[1]} == dict(
-            v2.ROWS8_CONFIGS[1]), (h, c)
+            v2.ROWS8_CONFIGS[1]), (h, c)  # (n8 < ROWS_H16_MIN_TOKENS: the 8-head blocks)
         assert v2.rows8_config(h, 9, n8 - 1) is None
         assert v2.resolve_config_v2(h, 9, 4096, kv_format="fp8_e4m3") == v2.rows8_config(h, 9, 4096)
     for h, cc, t in ((17, 9, 4096), (8, 12, 4096), (8, 8, 4096)):
