@@ -1237,7 +1237,10 @@ KEYS_M_CONFIGS = (
 # GPU-tested; timed on an H100 (2026-12-07, bench/results/v2_keys_m_h16_h100.json, whole calls at
 # H = 16, QK_ACCS 1): BLOCK_N 32 / RING 1 116.5 / 65.7 / 38.9 / 15.5 us at T = 128 / 64 / 32 / 4
 # against the dispatch's 116.9 / 65.2 / 37.4 / 13.4 (RING 2 and BLOCK_N 64 slower): a tie at
-# best, so not dispatched.
+# best, so not dispatched; with the 8-head dispatch's QK_ACCS 4 (2026-12-08,
+# bench/results/v2_keys_m_h16_acc4_h100.json) 115.7 / 65.8 against 117.0 / 65.1 at T = 128 / 64:
+# a tie again. (Over bf16 / fp8 rows, where the alternative is two 8-head KEYS_M blocks, it wins:
+# ROWS_H16_MIN_TOKENS.)
 KEYS_M_H16_MIN_TOKENS = None  # 9..16 heads on SM90 from this many rows (None: not dispatched)
 KEYS_M_H16_DISPATCH = 0  # the fp8_ds_mla entry of KEYS_M_H16_CONFIGS it dispatches
 KEYS_M_H16_CONFIGS = (
