@@ -1048,7 +1048,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     sms = _num_sms(logits.device.index or 0) if on_gpu else 8
     major = _arch_major(logits.device.index or 0) if on_gpu else 0
     cfg, num_warps, merge_warps = call_config(k, max_seq_len, rows, sms, major, overrides)
-    cap, split = cfg["CAP"], cfg["SPLIT"]
+    split = cfg["SPLIT"]
     if cfg["SHORT"] and max_seq_len > SHORT_MAX:
         raise ValueError(f"SHORT=True takes rows of at most SHORT_MAX = {SHORT_MAX} columns, got max_seq_len "
                          f"{max_seq_len}")
