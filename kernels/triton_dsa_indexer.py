@@ -587,9 +587,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if key is not None and all(e is not None for e in entries):  # compiled (never in the interpreter)
         plan = _PagedPlan()
         plan.direct, plan.b0s, plan.ints, plan.out_shape = entries, b0s, ints, (rows, max_model_len)
-        if len(_PAGED_PLANS) >= _topk._PLANS_MAX:  # shapes follow the batch: bounded, oldest out
-            _PAGED_PLANS.pop(next(iter(_PAGED_PLANS)))
-        _PAGED_PLANS[key] = plan
+        _topk._remember(_PAGED_PLANS, key, plan)
     return out
 
 

@@ -1067,7 +1067,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
             if plan.coop_direct is None:
                 plan.coop_direct = _direct_entry(plan.coop_launch[0], ck, (rows, coop[0]), plan.coop_launch[1])
             if key is not None and plan.coop_direct is not None:
-                _remember(key, plan)
+                _remember(_PLANS, key, plan)
             return out
     lay = plan.lay
     if plan.short:  # no scratch (the kernel takes the same pointer arguments and ignores them)
@@ -1087,7 +1087,7 @@ def _launch(logits, a, b, out, next_n, k, mode, max_seq_len, scratch=None, **ove
     if all(e is not None for e in entries):  # compiled kernels (never in the interpreter)
         plan.direct = entries
         if key is not None:
-            _remember(key, plan)
+            _remember(_PLANS, key, plan)
     return out
 
 
@@ -1132,10 +1132,11 @@ def _plan_key(logits, a, b, out, next_n, k, mode, max_seq_len, scratch):
             out.shape, out.stride(), out.dtype, out.device, next_n, k, mode, max_seq_len, ks)
 
 
-def _remember(key, plan) -> None:
-    if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # shapes follow the batch: bounded, oldest out
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = plan
+def _remember(table: dict, key, plan) -> None:
+    """Keep ``plan`` under ``key`` in a plan table (this file's and the paged logits')."""
+    if key not in table and len(table) >= _PLANS_MAX:  # shapes follow the batch: bounded, oldest out
+        table.pop(next(iter(table)))
+    table[key] = plan
 
 
 def _hooks_off() -> bool:
